@@ -1,0 +1,480 @@
+//! Many peers on one socket: one [`Session`] per remote address, all sharing the service's
+//! connection id.
+//!
+//! The calling contract is the session's: after every input ([`Hub::handle`], commands,
+//! [`Hub::handle_timeout`]) drain [`Hub::poll_transmit`], then [`Hub::poll_event`], then read
+//! [`Hub::poll_timeout`]. A Connect from a new address is not a session yet: it comes out as
+//! [`HubEvent::ConnectRequest`] and the owner answers with [`Hub::accept`] or [`Hub::refuse`].
+//!
+//! # Rules
+//! - The connection id is checked right after the (stateless) decode, before any state is read.
+//! - A retransmitted Connect (same sequence and payload) is answered with the same Accept bytes,
+//!   or an Ack once the Accept was acknowledged; a Connect with a new payload or sequence
+//!   replaces the session ([`HubEvent::Disconnected`] with `Replaced`, then a new request).
+//! - At most `max_peers` sessions plus pending requests; further Connects get a Disconnect.
+//! - Each session bounds its own memory (see [`SessionConfig`]), so the hub's memory is bounded
+//!   by `max_peers` times that whatever arrives.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::error::{CloseReason, SendError};
+use crate::packet::{Flags, Fragment, Header, Packet, PacketType, CONTROL_CHANNEL};
+use crate::session::{Frame, Role, Session, SessionConfig, SessionEvent, SessionStats};
+
+/// Hub tunables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubConfig {
+    /// Applied to every session.
+    pub session: SessionConfig,
+    /// Sessions plus pending Connect requests, at most.
+    pub max_peers: usize,
+    /// Raw answers (refusals) waiting to go out, at most; more are dropped.
+    pub max_raw_queue: usize,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            session: SessionConfig::default(),
+            max_peers: 256,
+            max_raw_queue: 256,
+        }
+    }
+}
+
+/// What the hub reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HubEvent {
+    /// A new peer asks to connect with these credentials: call [`Hub::accept`] or
+    /// [`Hub::refuse`].
+    ConnectRequest {
+        /// Its address.
+        peer: SocketAddr,
+        /// Its Connect payload.
+        payload: Bytes,
+    },
+    /// A session's handshake completed.
+    Connected {
+        /// The peer.
+        peer: SocketAddr,
+    },
+    /// A frame arrived.
+    Frame {
+        /// From whom.
+        peer: SocketAddr,
+        /// What.
+        frame: Frame,
+    },
+    /// A Pong arrived.
+    Pong {
+        /// From whom.
+        peer: SocketAddr,
+        /// The echoed payload.
+        payload: Bytes,
+    },
+    /// A session ended (not reported for [`Hub::disconnect`]).
+    Disconnected {
+        /// The peer.
+        peer: SocketAddr,
+        /// Why.
+        reason: CloseReason,
+    },
+}
+
+/// Hub-wide counters. `sessions` sums every session's counters, ended ones included.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HubStats {
+    /// Datagrams that are not CNR0 packets.
+    pub malformed: u64,
+    /// Packets with another service's connection id.
+    pub wrong_connection_id: u64,
+    /// Non-Connect packets from addresses without a session.
+    pub unknown_peer: u64,
+    /// Connects refused by the owner.
+    pub refused: u64,
+    /// Connects turned away because `max_peers` was reached.
+    pub peers_full: u64,
+    /// Sessions replaced by a new Connect from the same address.
+    pub replaced: u64,
+    /// Refusals dropped because the raw queue was full.
+    pub raw_dropped: u64,
+    /// Summed session counters.
+    pub sessions: SessionStats,
+}
+
+/// Why a hub command failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HubError {
+    /// No Connect from that address is waiting for an answer.
+    #[error("no pending connect from {0}")]
+    NoPendingConnect(SocketAddr),
+}
+
+#[derive(Debug)]
+struct Pending {
+    sequence: u32,
+    flags: Flags,
+    payload: Bytes,
+}
+
+#[derive(Debug)]
+struct Entry {
+    session: Session,
+    /// Invariant: true iff the address is in `Hub::dirty`.
+    queued: bool,
+}
+
+/// A many-peer CultNet endpoint without I/O (see the module docs).
+#[derive(Debug)]
+pub struct Hub {
+    cfg: HubConfig,
+    peers: HashMap<SocketAddr, Entry>,
+    pending: HashMap<SocketAddr, Pending>,
+    dirty: VecDeque<SocketAddr>,
+    raw: VecDeque<(SocketAddr, Vec<u8>)>,
+    events: VecDeque<HubEvent>,
+    stats: HubStats,
+    retired: SessionStats,
+    rng: u64,
+}
+
+impl Hub {
+    /// A hub; `seed` drives the random initial sequences (pass real randomness in production).
+    pub fn new(cfg: HubConfig, seed: u64) -> Self {
+        Self {
+            cfg,
+            peers: HashMap::new(),
+            pending: HashMap::new(),
+            dirty: VecDeque::new(),
+            raw: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: HubStats::default(),
+            retired: SessionStats::default(),
+            rng: seed | 1,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.cfg
+    }
+
+    /// Counters, session counters summed.
+    pub fn stats(&self) -> HubStats {
+        let mut s = self.stats;
+        s.sessions = self.retired;
+        for e in self.peers.values() {
+            add(&mut s.sessions, &e.session.stats());
+        }
+        s
+    }
+
+    /// Number of sessions (any state).
+    pub fn peer_count(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// The session for `peer`, to read its state.
+    pub fn session(&self, peer: SocketAddr) -> Option<&Session> {
+        self.peers.get(&peer).map(|e| &e.session)
+    }
+
+    /// Addresses with a session.
+    pub fn peers(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.peers.keys().copied()
+    }
+
+    /// Feeds one datagram received from `from`.
+    pub fn handle(&mut self, now: Instant, from: SocketAddr, datagram: &[u8]) {
+        let Ok(p) = Packet::decode(datagram) else {
+            self.stats.malformed += 1;
+            return;
+        };
+        if p.connection_id != self.cfg.session.connection_id {
+            self.stats.wrong_connection_id += 1;
+            return;
+        }
+        if p.ptype == PacketType::Connect {
+            self.on_connect(now, from, &p);
+            return;
+        }
+        let Some(entry) = self.peers.get_mut(&from) else {
+            self.stats.unknown_peer += 1;
+            return;
+        };
+        entry.session.handle(now, &p);
+        self.after(from);
+    }
+
+    /// Accepts the pending Connect from `peer`: the session starts and its Accept goes out.
+    pub fn accept(&mut self, now: Instant, peer: SocketAddr) -> Result<(), HubError> {
+        let p = self.pending.remove(&peer).ok_or(HubError::NoPendingConnect(peer))?;
+        let connect = Packet {
+            ptype: PacketType::Connect,
+            flags: p.flags,
+            connection_id: self.cfg.session.connection_id,
+            sequence: p.sequence,
+            ack: 0,
+            ack_mask: 0,
+            fragment: Fragment::default(),
+            channel: CONTROL_CHANNEL,
+            payload: &p.payload,
+        };
+        let seq = self.initial_seq();
+        let session = Session::accept(now, self.cfg.session.clone(), &connect, seq);
+        self.insert(peer, session);
+        Ok(())
+    }
+
+    /// Refuses the pending Connect from `peer` with a Disconnect carrying `reason`.
+    pub fn refuse(&mut self, peer: SocketAddr, reason: &str) -> Result<(), HubError> {
+        self.pending.remove(&peer).ok_or(HubError::NoPendingConnect(peer))?;
+        self.stats.refused += 1;
+        self.push_raw(peer, PacketType::Disconnect, reason.as_bytes());
+        Ok(())
+    }
+
+    /// Opens a client session to `peer` with `payload` as credentials (replacing any session
+    /// with that address).
+    pub fn connect(&mut self, now: Instant, peer: SocketAddr, payload: Bytes) {
+        if let Some(mut old) = self.peers.remove(&peer) {
+            old.session.close("replaced");
+            add(&mut self.retired, &old.session.stats());
+        }
+        let seq = self.initial_seq();
+        let session = Session::connect(now, self.cfg.session.clone(), payload, seq);
+        self.insert(peer, session);
+    }
+
+    /// Sends a frame to `peer` on `channel` (delivery by channel name).
+    pub fn send(
+        &mut self,
+        now: Instant,
+        peer: SocketAddr,
+        channel: &str,
+        payload: Bytes,
+    ) -> Result<(), SendError> {
+        let entry = self.peers.get_mut(&peer).ok_or(SendError::UnknownPeer)?;
+        entry.session.send(now, channel, payload)?;
+        self.after(peer);
+        Ok(())
+    }
+
+    /// Pings `peer`.
+    pub fn ping(&mut self, peer: SocketAddr, payload: &[u8]) -> Result<(), SendError> {
+        let entry = self.peers.get_mut(&peer).ok_or(SendError::UnknownPeer)?;
+        entry.session.ping(payload);
+        self.after(peer);
+        Ok(())
+    }
+
+    /// Closes the session with `peer`, sending a Disconnect with `reason`.
+    pub fn disconnect(&mut self, peer: SocketAddr, reason: &str) {
+        if let Some(e) = self.peers.get_mut(&peer) {
+            e.session.close(reason);
+            self.after(peer);
+        }
+    }
+
+    /// Runs every session's timers.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<SocketAddr> = self
+            .peers
+            .iter()
+            .filter(|(_, e)| e.session.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(a, _)| *a)
+            .collect();
+        for peer in due {
+            if let Some(e) = self.peers.get_mut(&peer) {
+                e.session.handle_timeout(now);
+            }
+            self.after(peer);
+        }
+    }
+
+    /// Writes the next datagram into `buf` (appending) and returns its destination, or `None`.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<SocketAddr> {
+        if let Some((to, bytes)) = self.raw.pop_front() {
+            buf.extend_from_slice(&bytes);
+            return Some(to);
+        }
+        while let Some(peer) = self.dirty.pop_front() {
+            let Some(e) = self.peers.get_mut(&peer) else {
+                continue;
+            };
+            if e.session.poll_transmit(now, buf) {
+                if e.session.wants_transmit() {
+                    self.dirty.push_back(peer);
+                } else {
+                    e.queued = false;
+                    self.reap(peer);
+                }
+                return Some(peer);
+            }
+            e.queued = false;
+            self.reap(peer);
+        }
+        None
+    }
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<HubEvent> {
+        self.events.pop_front()
+    }
+
+    /// The earliest session timer.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.peers.values().filter_map(|e| e.session.poll_timeout()).min()
+    }
+
+    fn on_connect(&mut self, now: Instant, from: SocketAddr, p: &Packet<'_>) {
+        if let Some(e) = self.peers.get_mut(&from) {
+            let s = &e.session;
+            if s.role() == Role::Server
+                && s.connect_sequence() == p.sequence
+                && s.connect_payload()[..] == *p.payload
+                && s.close_reason().is_none()
+            {
+                e.session.handle(now, p);
+                self.after(from);
+                return;
+            }
+            let old = self.peers.remove(&from).map(|e| e.session);
+            if let Some(old) = old {
+                add(&mut self.retired, &old.stats());
+                if old.close_reason().is_none() {
+                    self.stats.replaced += 1;
+                    self.events.push_back(HubEvent::Disconnected {
+                        peer: from,
+                        reason: CloseReason::Replaced,
+                    });
+                }
+            }
+        }
+        if let Some(pending) = self.pending.get(&from) {
+            if pending.sequence == p.sequence && pending.payload[..] == *p.payload {
+                return; // Still waiting for the owner's answer.
+            }
+            self.pending.remove(&from);
+        }
+        if self.peers.len() + self.pending.len() >= self.cfg.max_peers {
+            self.stats.peers_full += 1;
+            self.push_raw(from, PacketType::Disconnect, b"server full");
+            return;
+        }
+        let payload = Bytes::copy_from_slice(p.payload);
+        self.pending.insert(
+            from,
+            Pending {
+                sequence: p.sequence,
+                flags: p.flags,
+                payload: payload.clone(),
+            },
+        );
+        self.events.push_back(HubEvent::ConnectRequest {
+            peer: from,
+            payload,
+        });
+    }
+
+    fn insert(&mut self, peer: SocketAddr, session: Session) {
+        self.peers.insert(
+            peer,
+            Entry {
+                session,
+                queued: false,
+            },
+        );
+        self.after(peer);
+    }
+
+    /// Moves a session's events out and queues it for transmit if it has something to send.
+    fn after(&mut self, peer: SocketAddr) {
+        let Some(e) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        while let Some(ev) = e.session.poll_event() {
+            self.events.push_back(match ev {
+                SessionEvent::Connected => HubEvent::Connected { peer },
+                SessionEvent::Frame(frame) => HubEvent::Frame { peer, frame },
+                SessionEvent::Pong(payload) => HubEvent::Pong { peer, payload },
+                SessionEvent::Disconnected(reason) => HubEvent::Disconnected { peer, reason },
+            });
+        }
+        if e.session.wants_transmit() {
+            if !e.queued {
+                e.queued = true;
+                self.dirty.push_back(peer);
+            }
+        } else if !e.queued {
+            self.reap(peer);
+        }
+    }
+
+    /// Forgets a closed session once it has nothing left to send.
+    fn reap(&mut self, peer: SocketAddr) {
+        let closed = self
+            .peers
+            .get(&peer)
+            .is_some_and(|e| e.session.close_reason().is_some() && !e.session.wants_transmit());
+        if closed {
+            if let Some(e) = self.peers.remove(&peer) {
+                add(&mut self.retired, &e.session.stats());
+            }
+        }
+    }
+
+    fn push_raw(&mut self, to: SocketAddr, ptype: PacketType, payload: &[u8]) {
+        if self.raw.len() >= self.cfg.max_raw_queue {
+            self.stats.raw_dropped += 1;
+            return;
+        }
+        let mut bytes = Vec::new();
+        let _ = crate::packet::encode_parts(
+            &mut bytes,
+            Header {
+                ptype,
+                flags: Flags(0),
+                connection_id: self.cfg.session.connection_id,
+                sequence: 0,
+                ack: 0,
+                ack_mask: 0,
+                fragment: Fragment::default(),
+            },
+            CONTROL_CHANNEL,
+            &[&payload[..payload.len().min(1024)]],
+        );
+        self.raw.push_back((to, bytes));
+    }
+
+    /// A random initial sequence in `[1, 2^31)` (xorshift64*).
+    fn initial_seq(&mut self) -> u32 {
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let r = self.rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        ((r >> 33) as u32 % 0x7FFF_FFFF) + 1
+    }
+}
+
+fn add(total: &mut SessionStats, s: &SessionStats) {
+    total.packets_in += s.packets_in;
+    total.packets_out += s.packets_out;
+    total.frames_in += s.frames_in;
+    total.frames_out += s.frames_out;
+    total.duplicates += s.duplicates;
+    total.resends += s.resends;
+    total.expired += s.expired;
+    total.out_of_window += s.out_of_window;
+    total.invalid += s.invalid;
+    total.stale += s.stale;
+    total.memory_drops += s.memory_drops;
+    total.reassembly_expired += s.reassembly_expired;
+    total.unreliable_dropped += s.unreliable_dropped;
+    total.holes_skipped += s.holes_skipped;
+}
