@@ -34,7 +34,9 @@ pub enum DecodeError {
         channel_len: u8,
     },
     /// The datagram is not exactly header + payload long.
-    #[error("datagram is {datagram} bytes but header {header} + payload {payload} declare otherwise")]
+    #[error(
+        "datagram is {datagram} bytes but header {header} + payload {payload} declare otherwise"
+    )]
     Length {
         /// Datagram length.
         datagram: usize,

@@ -213,7 +213,10 @@ impl Hub {
 
     /// Accepts the pending Connect from `peer`: the session starts and its Accept goes out.
     pub fn accept(&mut self, now: Instant, peer: SocketAddr) -> Result<(), HubError> {
-        let p = self.pending.remove(&peer).ok_or(HubError::NoPendingConnect(peer))?;
+        let p = self
+            .pending
+            .remove(&peer)
+            .ok_or(HubError::NoPendingConnect(peer))?;
         let connect = Packet {
             ptype: PacketType::Connect,
             flags: p.flags,
@@ -233,7 +236,9 @@ impl Hub {
 
     /// Refuses the pending Connect from `peer` with a Disconnect carrying `reason`.
     pub fn refuse(&mut self, peer: SocketAddr, reason: &str) -> Result<(), HubError> {
-        self.pending.remove(&peer).ok_or(HubError::NoPendingConnect(peer))?;
+        self.pending
+            .remove(&peer)
+            .ok_or(HubError::NoPendingConnect(peer))?;
         self.stats.refused += 1;
         self.push_raw(peer, PacketType::Disconnect, reason.as_bytes());
         Ok(())
@@ -329,7 +334,10 @@ impl Hub {
 
     /// The earliest session timer.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.peers.values().filter_map(|e| e.session.poll_timeout()).min()
+        self.peers
+            .values()
+            .filter_map(|e| e.session.poll_timeout())
+            .min()
     }
 
     fn on_connect(&mut self, now: Instant, from: SocketAddr, p: &Packet<'_>) {

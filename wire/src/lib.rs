@@ -33,6 +33,7 @@
 
 pub mod error;
 pub mod hub;
+pub mod msg;
 pub mod packet;
 pub mod session;
 

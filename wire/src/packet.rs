@@ -230,8 +230,8 @@ pub(crate) fn encode_parts(
     channel: &str,
     payload: &[&[u8]],
 ) -> Result<(), EncodeError> {
-    let channel_len =
-        u8::try_from(channel.len()).map_err(|_| EncodeError::ChannelTooLong { len: channel.len() })?;
+    let channel_len = u8::try_from(channel.len())
+        .map_err(|_| EncodeError::ChannelTooLong { len: channel.len() })?;
     let payload_len: usize = payload.iter().map(|p| p.len()).sum();
     let payload_len32 =
         u32::try_from(payload_len).map_err(|_| EncodeError::PayloadTooLong { len: payload_len })?;
@@ -241,7 +241,12 @@ pub(crate) fn encode_parts(
     }
     out.reserve(FIXED_HEADER_LEN + channel.len() + payload_len);
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&[VERSION, h.ptype as u8, flags, FIXED_HEADER_LEN as u8 + channel_len]);
+    out.extend_from_slice(&[
+        VERSION,
+        h.ptype as u8,
+        flags,
+        FIXED_HEADER_LEN as u8 + channel_len,
+    ]);
     out.extend_from_slice(&h.connection_id.to_be_bytes());
     out.extend_from_slice(&h.sequence.to_be_bytes());
     out.extend_from_slice(&h.ack.to_be_bytes());
@@ -303,7 +308,10 @@ mod tests {
     #[test]
     fn every_malformation_is_typed() {
         let good = sample();
-        assert_eq!(Packet::decode(&good[..35]), Err(DecodeError::TooShort { len: 35 }));
+        assert_eq!(
+            Packet::decode(&good[..35]),
+            Err(DecodeError::TooShort { len: 35 })
+        );
         let mut b = good.clone();
         b[0] = b'X';
         assert_eq!(Packet::decode(&b), Err(DecodeError::BadMagic));
@@ -315,17 +323,26 @@ mod tests {
         assert_eq!(Packet::decode(&b), Err(DecodeError::UnknownType { got: 0 }));
         let mut b = good.clone();
         b[7] = 40;
-        assert!(matches!(Packet::decode(&b), Err(DecodeError::HeaderLength { .. })));
+        assert!(matches!(
+            Packet::decode(&b),
+            Err(DecodeError::HeaderLength { .. })
+        ));
         let mut b = good.clone();
         b.push(0);
-        assert!(matches!(Packet::decode(&b), Err(DecodeError::Length { .. })));
+        assert!(matches!(
+            Packet::decode(&b),
+            Err(DecodeError::Length { .. })
+        ));
         let mut b = good.clone();
         b[36] = 0xff;
         assert_eq!(Packet::decode(&b), Err(DecodeError::ChannelNotUtf8));
         // Huge declared payload length must not overflow or panic.
         let mut b = good.clone();
         b[30..34].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(matches!(Packet::decode(&b), Err(DecodeError::Length { .. })));
+        assert!(matches!(
+            Packet::decode(&b),
+            Err(DecodeError::Length { .. })
+        ));
     }
 
     #[test]
@@ -351,6 +368,9 @@ mod tests {
             channel: &long,
             payload: b"",
         };
-        assert_eq!(p.encode(&mut Vec::new()), Err(EncodeError::ChannelTooLong { len: 256 }));
+        assert_eq!(
+            p.encode(&mut Vec::new()),
+            Err(EncodeError::ChannelTooLong { len: 256 })
+        );
     }
 }

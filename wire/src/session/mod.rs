@@ -272,7 +272,11 @@ pub struct Session {
 
 impl Session {
     fn new(now: Instant, cfg: SessionConfig, role: Role, initial_seq: u32) -> Self {
-        let reasm = Reassembly::new(cfg.max_fragment_sets, cfg.max_reassembly_bytes, cfg.max_payload);
+        let reasm = Reassembly::new(
+            cfg.max_fragment_sets,
+            cfg.max_reassembly_bytes,
+            cfg.max_payload,
+        );
         Self {
             role,
             state: if role == Role::Client {
@@ -336,7 +340,12 @@ impl Session {
 
     /// Starts a server session from a peer's Connect (already accepted by the owner) and queues
     /// the Accept. `initial_seq` should be random in `[1, 2^31)`.
-    pub fn accept(now: Instant, cfg: SessionConfig, connect: &Packet<'_>, initial_seq: u32) -> Self {
+    pub fn accept(
+        now: Instant,
+        cfg: SessionConfig,
+        connect: &Packet<'_>,
+        initial_seq: u32,
+    ) -> Self {
         let mut s = Self::new(now, cfg, Role::Server, initial_seq);
         s.stats.packets_in += 1;
         s.connect_seq = connect.sequence;
@@ -465,7 +474,8 @@ impl Session {
 
     /// Whether `send` would accept `len` more reliable bytes now.
     pub fn wants_send(&self, len: usize) -> bool {
-        !matches!(self.state, State::Closed(_)) && self.queued_bytes + len <= self.cfg.max_queued_bytes
+        !matches!(self.state, State::Closed(_))
+            && self.queued_bytes + len <= self.cfg.max_queued_bytes
     }
 
     // ---- app commands ----
@@ -511,7 +521,10 @@ impl Session {
                 max: piece * u16::MAX as usize,
             });
         }
-        let reliable = matches!(delivery, Delivery::ReliableOrdered | Delivery::Reliable { .. });
+        let reliable = matches!(
+            delivery,
+            Delivery::ReliableOrdered | Delivery::Reliable { .. }
+        );
         if reliable && self.queued_bytes + len > self.cfg.max_queued_bytes {
             return Err(SendError::QueueFull {
                 queued_bytes: self.queued_bytes,
@@ -524,7 +537,11 @@ impl Session {
             } => Some(now + d),
             _ => None,
         };
-        let fragment_id = if count > 1 { self.take_fragment_id() } else { 0 };
+        let fragment_id = if count > 1 {
+            self.take_fragment_id()
+        } else {
+            0
+        };
         let latest_seq = if delivery == Delivery::Sequenced {
             bump(&mut self.latest_out, &channel)
         } else {
@@ -714,7 +731,16 @@ impl Session {
         }
         if let Some((ack, mask)) = self.recv.next_ack() {
             let sequence = self.unreliable_seq();
-            self.encode(buf, PacketType::Ack, 0, sequence, (ack, mask), Fragment::default(), CONTROL_CHANNEL, &[]);
+            self.encode(
+                buf,
+                PacketType::Ack,
+                0,
+                sequence,
+                (ack, mask),
+                Fragment::default(),
+                CONTROL_CHANNEL,
+                &[],
+            );
             self.sent(now);
             return true;
         }
@@ -727,7 +753,16 @@ impl Session {
                 };
                 let acks = self.ack_fields();
                 let channel = u.out.channel.clone();
-                self.encode(buf, u.out.ptype, u.out.flags, sequence, acks, u.out.fragment, &channel, &[&u.out.payload]);
+                self.encode(
+                    buf,
+                    u.out.ptype,
+                    u.out.flags,
+                    sequence,
+                    acks,
+                    u.out.fragment,
+                    &channel,
+                    &[&u.out.payload],
+                );
                 self.sent(now);
                 return true;
             }
@@ -854,7 +889,11 @@ impl Session {
                         channel: channel.clone(),
                         payload: Bytes::copy_from_slice(payload),
                     };
-                    return Ok(Some(Hold { frame: f, ordered, at: None }));
+                    return Ok(Some(Hold {
+                        frame: f,
+                        ordered,
+                        at: None,
+                    }));
                 }
                 match s.reasm.insert(now, &channel, frag, p.sequence, payload) {
                     Ok(None) => Ok(None),
@@ -874,7 +913,10 @@ impl Session {
         }
         self.consume_legacy_seq(now, p.sequence);
         let payload = if p.fragment.count > 0 {
-            match self.reasm.insert(now, &channel, p.fragment, p.sequence, p.payload) {
+            match self
+                .reasm
+                .insert(now, &channel, p.fragment, p.sequence, p.payload)
+            {
                 Ok(Some(done)) => done.payload,
                 Ok(None) => return,
                 Err(FragError::Full) => {
@@ -1098,8 +1140,21 @@ impl Session {
         };
         let channel = e.out.channel.clone();
         let payload = e.out.payload.clone();
-        let fragment = if e.abandoned { Fragment::default() } else { e.out.fragment };
-        self.encode(buf, ptype, flags, sequence, acks, fragment, &channel, &[&payload]);
+        let fragment = if e.abandoned {
+            Fragment::default()
+        } else {
+            e.out.fragment
+        };
+        self.encode(
+            buf,
+            ptype,
+            flags,
+            sequence,
+            acks,
+            fragment,
+            &channel,
+            &[&payload],
+        );
         if seq::after(sequence, self.highest_sent) || self.highest_sent == 0 {
             self.highest_sent = sequence;
         }
@@ -1162,8 +1217,19 @@ impl Session {
         let sequence = self.unreliable_seq();
         let acks = self.ack_fields();
         let mut bytes = Vec::with_capacity(packet::FIXED_HEADER_LEN + 7 + payload.len());
-        let payload = &payload[..payload.len().min(packet::MAX_SINGLE_PAYLOAD - CONTROL_CHANNEL.len())];
-        self.encode(&mut bytes, ptype, 0, sequence, acks, Fragment::default(), CONTROL_CHANNEL, &[payload]);
+        let payload = &payload[..payload
+            .len()
+            .min(packet::MAX_SINGLE_PAYLOAD - CONTROL_CHANNEL.len())];
+        self.encode(
+            &mut bytes,
+            ptype,
+            0,
+            sequence,
+            acks,
+            Fragment::default(),
+            CONTROL_CHANNEL,
+            &[payload],
+        );
         self.control.push_back(bytes);
     }
 

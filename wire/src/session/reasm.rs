@@ -109,8 +109,14 @@ impl Reassembly {
         }
         if set.payload_bytes + payload.len() > self.max_payload {
             let set = self.sets.swap_remove(pos);
-            self.bytes -= set.parts.values().map(|p| p.len() + ITEM_OVERHEAD).sum::<usize>();
-            return Err(FragError::Misbehaved("fragmented frame exceeds the maximum payload"));
+            self.bytes -= set
+                .parts
+                .values()
+                .map(|p| p.len() + ITEM_OVERHEAD)
+                .sum::<usize>();
+            return Err(FragError::Misbehaved(
+                "fragmented frame exceeds the maximum payload",
+            ));
         }
         if self.bytes + cost > self.max_bytes {
             if set.parts.is_empty() {
@@ -118,7 +124,8 @@ impl Reassembly {
             }
             return Err(FragError::Full);
         }
-        set.parts.insert(frag.index, Bytes::copy_from_slice(payload));
+        set.parts
+            .insert(frag.index, Bytes::copy_from_slice(payload));
         set.payload_bytes += payload.len();
         self.bytes += cost;
         if s != 0 && seq::after(s, set.max_seq) {

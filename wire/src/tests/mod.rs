@@ -1,4 +1,4 @@
 //! In-crate tests that drive whole sessions over a simulated link.
-mod sim;
 mod props;
 mod scenarios;
+mod sim;

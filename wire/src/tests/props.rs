@@ -136,7 +136,11 @@ proptest! {
 fn events_include_connected_once_each_side() {
     let mut pair = Pair::new(7, lossy_cfg());
     pair.connect();
-    let count = |ev: &[HubEvent]| ev.iter().filter(|e| matches!(e, HubEvent::Connected { .. })).count();
+    let count = |ev: &[HubEvent]| {
+        ev.iter()
+            .filter(|e| matches!(e, HubEvent::Connected { .. }))
+            .count()
+    };
     for _ in 0..50 {
         pair.step();
     }

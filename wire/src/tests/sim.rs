@@ -106,8 +106,13 @@ impl Pair {
         let b = self.b.addr;
         self.a.hub.connect(self.now, b, Bytes::from_static(b"join"));
         let ok = self.drive_until(20_000, |p| {
-            p.a.events.iter().any(|e| matches!(e, HubEvent::Connected { .. }))
-                && p.b.events.iter().any(|e| matches!(e, HubEvent::Connected { .. }))
+            p.a.events
+                .iter()
+                .any(|e| matches!(e, HubEvent::Connected { .. }))
+                && p.b
+                    .events
+                    .iter()
+                    .any(|e| matches!(e, HubEvent::Connected { .. }))
         });
         assert!(ok, "handshake did not complete");
     }
@@ -143,7 +148,8 @@ impl Pair {
                     }
                     let mut at = self.now + im.latency;
                     if self.rng.chance(im.reorder) {
-                        at += Duration::from_micros(self.rng.below(im.jitter.as_micros() as u64 + 1));
+                        at +=
+                            Duration::from_micros(self.rng.below(im.jitter.as_micros() as u64 + 1));
                     }
                     to_side.inbound.push((at, from.addr, bytes));
                 }
@@ -216,7 +222,11 @@ impl Pair {
     }
 
     /// Steps until `done` holds; false if `limit` steps pass first (instead of hanging).
-    pub(crate) fn drive_until(&mut self, limit: usize, mut done: impl FnMut(&Self) -> bool) -> bool {
+    pub(crate) fn drive_until(
+        &mut self,
+        limit: usize,
+        mut done: impl FnMut(&Self) -> bool,
+    ) -> bool {
         for _ in 0..limit {
             self.flush();
             if done(self) {
@@ -235,7 +245,9 @@ impl Pair {
         events
             .iter()
             .filter_map(|e| match e {
-                HubEvent::Frame { frame, .. } => Some((frame.channel.to_string(), frame.payload.clone())),
+                HubEvent::Frame { frame, .. } => {
+                    Some((frame.channel.to_string(), frame.payload.clone()))
+                }
                 _ => None,
             })
             .collect()

@@ -1,0 +1,650 @@
+//! `cultnet.schema.v0` messages: one MessagePack map with string keys per message, typed by its
+//! `schemaVersion`, and the 4-byte big-endian length framing used on stream pipes.
+//!
+//! Decoding does not depend on key order (encoders differ: alphabetical, fixed, insertion) and
+//! treats an absent optional and a nil one alike; unknown keys are ignored. Encoding writes
+//! `schemaVersion` first and omits absent optionals.
+
+use bytes::{Buf, Bytes, BytesMut};
+use rmpv::Value;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::error::MsgError;
+
+/// Largest stream frame accepted by default (a whole 16 MiB payload plus its envelope).
+pub const DEFAULT_MAX_FRAME: usize = 17 * 1024 * 1024;
+
+/// The `schemaVersion` of every message this codec knows.
+pub mod versions {
+    /// Hello.
+    pub const HELLO: &str = "cultnet.hello.v0";
+    /// Error.
+    pub const ERROR: &str = "cultnet.error.v0";
+    /// Typed document put.
+    pub const DOCUMENT_PUT: &str = "cultnet.document_put.v0";
+    /// Raw (MessagePack bin payload) document put.
+    pub const DOCUMENT_PUT_RAW: &str = "cultnet.document_put_raw.v0";
+    /// Document delete.
+    pub const DOCUMENT_DELETE: &str = "cultnet.document_delete.v0";
+    /// Snapshot request.
+    pub const SNAPSHOT_REQUEST: &str = "cultnet.snapshot_request.v0";
+    /// Typed snapshot response.
+    pub const SNAPSHOT_RESPONSE: &str = "cultnet.snapshot_response.v0";
+    /// Raw snapshot response.
+    pub const SNAPSHOT_RESPONSE_RAW: &str = "cultnet.snapshot_response_raw.v0";
+    /// Schema catalog request.
+    pub const SCHEMA_CATALOG_REQUEST: &str = "cultnet.schema_catalog_request.v0";
+    /// Schema catalog response.
+    pub const SCHEMA_CATALOG_RESPONSE: &str = "cultnet.schema_catalog_response.v0";
+    /// All of them.
+    pub const ALL: [&str; 10] = [
+        HELLO,
+        ERROR,
+        DOCUMENT_PUT,
+        DOCUMENT_PUT_RAW,
+        DOCUMENT_DELETE,
+        SNAPSHOT_REQUEST,
+        SNAPSHOT_RESPONSE,
+        SNAPSHOT_RESPONSE_RAW,
+        SCHEMA_CATALOG_REQUEST,
+        SCHEMA_CATALOG_RESPONSE,
+    ];
+}
+
+/// `cultnet.hello.v0`: who a runtime is and what it speaks.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hello {
+    /// Non-empty.
+    pub runtime_id: String,
+    /// Non-empty.
+    pub runtime_kind: String,
+    /// The agent this runtime acts for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
+    /// Its role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// A human name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    /// Document schema ids it serves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supported_document_types: Option<Vec<String>>,
+    /// Which request documents it accepts and which receipts answer them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supported_mutation_contracts: Option<Vec<MutationContract>>,
+    /// Message `schemaVersion`s it speaks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supported_message_versions: Option<Vec<String>>,
+    /// Transport profiles (kept as raw values: their shape belongs to other runtimes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport_profiles: Option<Vec<Value>>,
+    /// Whether it answers schema catalog requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supports_schema_catalog: Option<bool>,
+}
+
+/// One entry of a hello's `supportedMutationContracts`, in the shape the other runtimes use.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MutationContract {
+    /// The document type the contract is about.
+    pub document_type: String,
+    /// Its payload schema version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_schema_version: Option<String>,
+    /// Operations, e.g. `documentPut`, `intentSubmit`, `receiptWatch`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operations: Option<Vec<String>>,
+    /// Who owns the mutation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authority: Option<String>,
+    /// Request (intent) documents accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent_document_types: Option<Vec<String>>,
+    /// Receipt documents that answer them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt_document_types: Option<Vec<String>>,
+}
+
+/// `cultnet.error.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMsg {
+    /// What went wrong.
+    pub error: String,
+}
+
+/// The envelope fields every document record has; `P` is the payload representation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record<P> {
+    /// The payload's schema, e.g. `bifrost.persona_matrix_send_request.v0`.
+    pub schema_id: String,
+    /// The record's key (for requests and receipts: the request id).
+    pub record_key: String,
+    /// RFC 3339.
+    pub stored_at: String,
+    /// Encoding of a raw payload; always `messagepack` (absent for typed documents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_encoding: Option<String>,
+    /// The payload.
+    pub payload: P,
+    /// Authority: the runtime that wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_runtime_id: Option<String>,
+    /// Authority: the agent that wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_agent_id: Option<String>,
+    /// Authority: the writer's role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_role: Option<String>,
+    /// Free tags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tags: Option<Vec<String>>,
+}
+
+/// A document whose payload is a plain MessagePack value.
+pub type Document = Record<Value>;
+/// A document whose payload is MessagePack bytes carried as bin (bit-exact for neighbours).
+pub type RawDocument = Record<serde_bytes::ByteBuf>;
+
+/// `cultnet.document_put.v0` / `cultnet.document_put_raw.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Put<D> {
+    /// Correlates answers.
+    pub message_id: String,
+    /// The record.
+    pub document: D,
+}
+
+/// `cultnet.document_delete.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DocumentDelete {
+    /// Correlates answers.
+    pub message_id: String,
+    /// Schema of the record.
+    pub schema_id: String,
+    /// Key of the record.
+    pub record_key: String,
+}
+
+/// `cultnet.snapshot_request.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRequest {
+    /// Correlates the response.
+    pub message_id: String,
+    /// Only these schemas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_ids: Option<Vec<String>>,
+    /// Only these keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record_keys: Option<Vec<String>>,
+}
+
+/// `cultnet.snapshot_response.v0` / `cultnet.snapshot_response_raw.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotResponse<D> {
+    /// The request's message id.
+    pub message_id: String,
+    /// The records.
+    pub documents: Vec<D>,
+}
+
+/// `cultnet.schema_catalog_request.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SchemaCatalogRequest {
+    /// Correlates the response.
+    pub message_id: String,
+    /// Include each schema's JSON text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include_schema_json: Option<bool>,
+    /// Only these schemas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_ids: Option<Vec<String>>,
+    /// Only these kinds (`wire_message`, `document_payload`, `shared_contract`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kinds: Option<Vec<String>>,
+}
+
+/// One schema in a catalog response.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CatalogEntry {
+    /// Its id.
+    pub schema_id: String,
+    /// `wire_message`, `document_payload` or `shared_contract`.
+    pub kind: String,
+    /// For wire messages: the `schemaVersion`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_version: Option<String>,
+    /// For document payloads: the document type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub document_type: Option<String>,
+    /// Human title.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    /// Messages that carry it.
+    #[serde(default)]
+    pub wire_contracts: Vec<String>,
+    /// `sha256:<hex>` of the schema JSON.
+    pub content_hash: String,
+    /// The schema JSON, when asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_json: Option<String>,
+}
+
+/// `cultnet.schema_catalog_response.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SchemaCatalogResponse {
+    /// The request's message id.
+    pub message_id: String,
+    /// The schemas.
+    pub schemas: Vec<CatalogEntry>,
+}
+
+/// Any `cultnet.schema.v0` message.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Message {
+    /// `cultnet.hello.v0`
+    Hello(Hello),
+    /// `cultnet.error.v0`
+    Error(ErrorMsg),
+    /// `cultnet.document_put.v0`
+    DocumentPut(Put<Document>),
+    /// `cultnet.document_put_raw.v0`
+    DocumentPutRaw(Put<RawDocument>),
+    /// `cultnet.document_delete.v0`
+    DocumentDelete(DocumentDelete),
+    /// `cultnet.snapshot_request.v0`
+    SnapshotRequest(SnapshotRequest),
+    /// `cultnet.snapshot_response.v0`
+    SnapshotResponse(SnapshotResponse<Document>),
+    /// `cultnet.snapshot_response_raw.v0`
+    SnapshotResponseRaw(SnapshotResponse<RawDocument>),
+    /// `cultnet.schema_catalog_request.v0`
+    SchemaCatalogRequest(SchemaCatalogRequest),
+    /// `cultnet.schema_catalog_response.v0`
+    SchemaCatalogResponse(SchemaCatalogResponse),
+}
+
+impl Message {
+    /// Its `schemaVersion`.
+    pub fn schema_version(&self) -> &'static str {
+        use versions::*;
+        match self {
+            Self::Hello(_) => HELLO,
+            Self::Error(_) => ERROR,
+            Self::DocumentPut(_) => DOCUMENT_PUT,
+            Self::DocumentPutRaw(_) => DOCUMENT_PUT_RAW,
+            Self::DocumentDelete(_) => DOCUMENT_DELETE,
+            Self::SnapshotRequest(_) => SNAPSHOT_REQUEST,
+            Self::SnapshotResponse(_) => SNAPSHOT_RESPONSE,
+            Self::SnapshotResponseRaw(_) => SNAPSHOT_RESPONSE_RAW,
+            Self::SchemaCatalogRequest(_) => SCHEMA_CATALOG_REQUEST,
+            Self::SchemaCatalogResponse(_) => SCHEMA_CATALOG_RESPONSE,
+        }
+    }
+
+    /// Decodes one message (exactly one MessagePack value).
+    pub fn decode(bytes: &[u8]) -> Result<Self, MsgError> {
+        let version = match &read_one(bytes)? {
+            Value::Map(entries) => entries
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("schemaVersion"))
+                .and_then(|(_, v)| v.as_str())
+                .ok_or(MsgError::MissingSchemaVersion)?
+                .to_owned(),
+            _ => return Err(MsgError::NotAMap),
+        };
+        use versions::*;
+        let msg = match version.as_str() {
+            HELLO => {
+                let h: Hello = typed(&version, bytes)?;
+                if h.runtime_id.is_empty() || h.runtime_kind.is_empty() {
+                    return Err(invalid(
+                        &version,
+                        "runtimeId and runtimeKind must not be empty",
+                    ));
+                }
+                Self::Hello(h)
+            }
+            ERROR => Self::Error(typed(&version, bytes)?),
+            DOCUMENT_PUT => Self::DocumentPut(typed(&version, bytes)?),
+            DOCUMENT_PUT_RAW => {
+                let p: Put<RawDocument> = typed(&version, bytes)?;
+                check_raw(&p.document)?;
+                Self::DocumentPutRaw(p)
+            }
+            DOCUMENT_DELETE => Self::DocumentDelete(typed(&version, bytes)?),
+            SNAPSHOT_REQUEST => Self::SnapshotRequest(typed(&version, bytes)?),
+            SNAPSHOT_RESPONSE => Self::SnapshotResponse(typed(&version, bytes)?),
+            SNAPSHOT_RESPONSE_RAW => {
+                let r: SnapshotResponse<RawDocument> = typed(&version, bytes)?;
+                for d in &r.documents {
+                    check_raw(d)?;
+                }
+                Self::SnapshotResponseRaw(r)
+            }
+            SCHEMA_CATALOG_REQUEST => Self::SchemaCatalogRequest(typed(&version, bytes)?),
+            SCHEMA_CATALOG_RESPONSE => Self::SchemaCatalogResponse(typed(&version, bytes)?),
+            _ => return Err(MsgError::UnknownSchemaVersion(version)),
+        };
+        Ok(msg)
+    }
+
+    /// Encodes the message: a map with `schemaVersion` first, absent optionals omitted.
+    pub fn encode(&self) -> Vec<u8> {
+        let v = self.schema_version();
+        match self {
+            Self::Hello(m) => tagged(v, m),
+            Self::Error(m) => tagged(v, m),
+            Self::DocumentPut(m) => tagged(v, m),
+            Self::DocumentPutRaw(m) => tagged(v, m),
+            Self::DocumentDelete(m) => tagged(v, m),
+            Self::SnapshotRequest(m) => tagged(v, m),
+            Self::SnapshotResponse(m) => tagged(v, m),
+            Self::SnapshotResponseRaw(m) => tagged(v, m),
+            Self::SchemaCatalogRequest(m) => tagged(v, m),
+            Self::SchemaCatalogResponse(m) => tagged(v, m),
+        }
+    }
+}
+
+impl RawDocument {
+    /// A raw document whose payload is `payload` encoded as a MessagePack map (named fields).
+    pub fn from_payload<T: Serialize>(
+        schema_id: &str,
+        record_key: &str,
+        stored_at: &str,
+        payload: &T,
+    ) -> Self {
+        Record {
+            schema_id: schema_id.to_owned(),
+            record_key: record_key.to_owned(),
+            stored_at: stored_at.to_owned(),
+            payload_encoding: Some("messagepack".to_owned()),
+            payload: serde_bytes::ByteBuf::from(encode_named(payload)),
+            source_runtime_id: None,
+            source_agent_id: None,
+            source_role: None,
+            tags: None,
+        }
+    }
+
+    /// Decodes the payload as `T`.
+    pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, MsgError> {
+        read_one(&self.payload)?;
+        typed(&self.schema_id, &self.payload)
+    }
+}
+
+/// Encodes any serializable value as MessagePack with named map fields.
+pub fn encode_named<T: Serialize>(value: &T) -> Vec<u8> {
+    // Our types only hold strings, numbers, bools, sequences, maps and byte buffers, which
+    // MessagePack represents, and writing into a Vec cannot fail: the empty fallback is
+    // unreachable.
+    rmp_serde::to_vec_named(value).unwrap_or_default()
+}
+
+/// `body`'s fields with `schemaVersion` in front.
+fn tagged<T: Serialize>(version: &'static str, body: &T) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Tagged<'a, T> {
+        #[serde(rename = "schemaVersion")]
+        v: &'static str,
+        #[serde(flatten)]
+        body: &'a T,
+    }
+    encode_named(&Tagged { v: version, body })
+}
+
+/// Reads exactly one MessagePack value from `bytes` (trailing bytes are an error).
+pub fn read_one(bytes: &[u8]) -> Result<Value, MsgError> {
+    let mut rd = bytes;
+    let v = rmpv::decode::read_value_ref(&mut rd)
+        .map_err(|e| MsgError::NotMessagePack(e.to_string()))?
+        .to_owned();
+    if !rd.is_empty() {
+        return Err(MsgError::NotMessagePack(format!(
+            "{} trailing bytes",
+            rd.len()
+        )));
+    }
+    Ok(v)
+}
+
+fn typed<T: DeserializeOwned>(version: &str, bytes: &[u8]) -> Result<T, MsgError> {
+    rmp_serde::from_slice(bytes).map_err(|e| invalid(version, &e.to_string()))
+}
+
+fn invalid(version: &str, reason: &str) -> MsgError {
+    MsgError::Invalid {
+        schema_version: version.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+fn check_raw(d: &RawDocument) -> Result<(), MsgError> {
+    match d.payload_encoding.as_deref() {
+        Some("messagepack") | None => {}
+        Some(other) => return Err(MsgError::PayloadEncoding(other.to_owned())),
+    }
+    if d.payload.is_empty() {
+        return Err(invalid(
+            versions::DOCUMENT_PUT_RAW,
+            "raw payload must not be empty",
+        ));
+    }
+    Ok(())
+}
+
+/// Prefixes `message` with its 4-byte big-endian length.
+pub fn frame(message: &[u8], max: usize) -> Result<Vec<u8>, MsgError> {
+    if message.len() > max || message.len() > u32::MAX as usize {
+        return Err(MsgError::FrameTooLarge {
+            len: message.len(),
+            max,
+        });
+    }
+    let mut out = Vec::with_capacity(4 + message.len());
+    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    out.extend_from_slice(message);
+    Ok(out)
+}
+
+/// Splits a byte stream into length-prefixed frames. Feed it any chunks; a declared length
+/// above the maximum is an error at once (before the bytes arrive), so a hostile peer cannot
+/// make it buffer more than `max + 4` bytes.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    buf: BytesMut,
+    max: usize,
+}
+
+impl FrameDecoder {
+    /// A decoder refusing frames longer than `max`.
+    pub fn new(max: usize) -> Self {
+        Self {
+            buf: BytesMut::new(),
+            max,
+        }
+    }
+
+    /// Appends received bytes.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next whole frame, `Ok(None)` if more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Bytes>, MsgError> {
+        if self.buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        if len > self.max {
+            return Err(MsgError::FrameTooLarge { len, max: self.max });
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        self.buf.advance(4);
+        Ok(Some(self.buf.split_to(len).freeze()))
+    }
+
+    /// Call at end of stream: an error if a partial frame is left.
+    pub fn finish(&self) -> Result<(), MsgError> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let need = if self.buf.len() < 4 {
+            4
+        } else {
+            4 + u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize
+        };
+        Err(MsgError::Truncated {
+            have: self.buf.len(),
+            need,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_order_and_nil_optionals_do_not_matter() {
+        let a = Value::Map(vec![
+            ("runtimeKind".into(), "k".into()),
+            ("agentId".into(), Value::Nil),
+            ("schemaVersion".into(), versions::HELLO.into()),
+            ("runtimeId".into(), "r".into()),
+            ("futureKey".into(), 5.into()),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &a).unwrap();
+        let Message::Hello(h) = Message::decode(&bytes).unwrap() else {
+            panic!("not a hello")
+        };
+        assert_eq!(h.runtime_id, "r");
+        assert_eq!(h.agent_id, None);
+        let again = Message::decode(&Message::Hello(h.clone()).encode()).unwrap();
+        assert_eq!(again, Message::Hello(h));
+    }
+
+    #[test]
+    fn typed_errors() {
+        let enc = |v: Value| {
+            let mut b = Vec::new();
+            rmpv::encode::write_value(&mut b, &v).unwrap();
+            b
+        };
+        assert!(matches!(
+            Message::decode(&[0x82, 0xa1]),
+            Err(MsgError::NotMessagePack(_))
+        ));
+        assert!(matches!(
+            Message::decode(&[0x93, 1, 2, 3]),
+            Err(MsgError::NotAMap)
+        ));
+        assert_eq!(
+            Message::decode(&enc(Value::Map(vec![("a".into(), 1.into())]))),
+            Err(MsgError::MissingSchemaVersion)
+        );
+        assert_eq!(
+            Message::decode(&enc(Value::Map(vec![(
+                "schemaVersion".into(),
+                "cultnet.nope.v9".into()
+            )]))),
+            Err(MsgError::UnknownSchemaVersion("cultnet.nope.v9".into()))
+        );
+        let empty_hello = Value::Map(vec![
+            ("schemaVersion".into(), versions::HELLO.into()),
+            ("runtimeId".into(), "".into()),
+            ("runtimeKind".into(), "k".into()),
+        ]);
+        assert!(matches!(
+            Message::decode(&enc(empty_hello)),
+            Err(MsgError::Invalid { .. })
+        ));
+        let no_error_field = Value::Map(vec![("schemaVersion".into(), versions::ERROR.into())]);
+        assert!(matches!(
+            Message::decode(&enc(no_error_field)),
+            Err(MsgError::Invalid { .. })
+        ));
+        let mut two = enc(Value::Map(vec![
+            ("schemaVersion".into(), versions::ERROR.into()),
+            ("error".into(), "x".into()),
+        ]));
+        two.push(0xc0);
+        assert!(matches!(
+            Message::decode(&two),
+            Err(MsgError::NotMessagePack(_))
+        ));
+    }
+
+    #[test]
+    fn raw_payload_rules() {
+        let mut doc = RawDocument::from_payload("s", "k", "t", &serde_json::json!({"a": 1}));
+        doc.payload_encoding = Some("json".into());
+        let bytes = Message::DocumentPutRaw(Put {
+            message_id: "m".into(),
+            document: doc.clone(),
+        })
+        .encode();
+        assert_eq!(
+            Message::decode(&bytes),
+            Err(MsgError::PayloadEncoding("json".into()))
+        );
+        doc.payload_encoding = Some("messagepack".into());
+        doc.payload = serde_bytes::ByteBuf::new();
+        let bytes = Message::DocumentPutRaw(Put {
+            message_id: "m".into(),
+            document: doc,
+        })
+        .encode();
+        assert!(matches!(
+            Message::decode(&bytes),
+            Err(MsgError::Invalid { .. })
+        ));
+    }
+
+    #[test]
+    fn framing() {
+        let mut d = FrameDecoder::new(10);
+        let f = frame(b"abc", 10).unwrap();
+        let mut stream = f.clone();
+        stream.extend_from_slice(&f);
+        // Byte by byte, to prove chunking does not matter.
+        let mut got = Vec::new();
+        for b in &stream {
+            d.push(&[*b]);
+            while let Some(m) = d.next_frame().unwrap() {
+                got.push(m);
+            }
+        }
+        assert_eq!(
+            got,
+            vec![Bytes::from_static(b"abc"), Bytes::from_static(b"abc")]
+        );
+        d.finish().unwrap();
+        d.push(&[0, 0, 0, 11]);
+        assert_eq!(
+            d.next_frame(),
+            Err(MsgError::FrameTooLarge { len: 11, max: 10 })
+        );
+        let mut d = FrameDecoder::new(10);
+        d.push(&[0, 0, 0, 5, 1]);
+        assert_eq!(d.next_frame(), Ok(None));
+        assert_eq!(d.finish(), Err(MsgError::Truncated { have: 5, need: 9 }));
+        assert!(frame(&[0; 11], 10).is_err());
+    }
+}
