@@ -31,6 +31,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod contracts;
+pub mod docs;
 pub mod error;
 pub mod hub;
 pub mod msg;
