@@ -1,1 +1,590 @@
+//! One test per session/hub rule, each driven over the simulated link or by hand-made packets.
 
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::sim::Pair;
+use crate::error::{CloseReason, SendError};
+use crate::hub::{Hub, HubConfig, HubEvent};
+use crate::packet::{Flags, Fragment, Packet, PacketType};
+use crate::session::{PeerRules, SessionConfig};
+
+fn cfg() -> HubConfig {
+    HubConfig::default()
+}
+
+fn connect_bytes(conn: u32, seq: u32, payload: &[u8]) -> Vec<u8> {
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Connect,
+        flags: Flags(Flags::RELIABLE | Flags::ORDERED),
+        connection_id: conn,
+        sequence: seq,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel: "control",
+        payload,
+    }
+    .encode(&mut b)
+    .unwrap();
+    b
+}
+
+fn drain(hub: &mut Hub, now: std::time::Instant) -> Vec<(SocketAddr, Vec<u8>)> {
+    let mut out = Vec::new();
+    loop {
+        let mut buf = Vec::new();
+        match hub.poll_transmit(now, &mut buf) {
+            Some(to) => out.push((to, buf)),
+            None => return out,
+        }
+    }
+}
+
+fn events(hub: &mut Hub) -> Vec<HubEvent> {
+    std::iter::from_fn(|| hub.poll_event()).collect()
+}
+
+#[test]
+fn repeated_connect_gets_identical_accept_bytes_then_an_ack() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let c = connect_bytes(hub.config().session.connection_id, 77, b"creds");
+    hub.handle(now, peer, &c);
+    hub.accept(now, peer).unwrap();
+    let first = drain(&mut hub, now);
+    assert_eq!(first.len(), 1);
+    hub.handle(now, peer, &c);
+    let again = drain(&mut hub, now);
+    assert_eq!(
+        again, first,
+        "a repeated Connect must get the same Accept bytes"
+    );
+    assert!(events(&mut hub)
+        .iter()
+        .all(|e| !matches!(e, HubEvent::Disconnected { .. })));
+    // Once the Accept is acked, a repeat gets an Ack naming the Connect.
+    let accept = Packet::decode(&first[0].1).unwrap();
+    let mut ack = Vec::new();
+    Packet {
+        ptype: PacketType::Ack,
+        flags: Flags(0),
+        sequence: 0,
+        ack: accept.sequence,
+        ack_mask: 0,
+        channel: "control",
+        payload: b"",
+        ..accept
+    }
+    .encode(&mut ack)
+    .unwrap();
+    hub.handle(now, peer, &ack);
+    assert!(events(&mut hub).contains(&HubEvent::Connected { peer }));
+    hub.handle(now, peer, &c);
+    let out = drain(&mut hub, now);
+    let p = Packet::decode(&out[0].1).unwrap();
+    assert_eq!((p.ptype, p.ack), (PacketType::Ack, 77));
+}
+
+#[test]
+fn connect_with_new_payload_replaces_the_session() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let conn = hub.config().session.connection_id;
+    hub.handle(now, peer, &connect_bytes(conn, 5, b"old"));
+    hub.accept(now, peer).unwrap();
+    drain(&mut hub, now);
+    events(&mut hub);
+    hub.handle(now, peer, &connect_bytes(conn, 5, b"new"));
+    let ev = events(&mut hub);
+    assert_eq!(
+        ev,
+        vec![
+            HubEvent::Disconnected {
+                peer,
+                reason: CloseReason::Replaced
+            },
+            HubEvent::ConnectRequest {
+                peer,
+                payload: Bytes::from_static(b"new")
+            },
+        ]
+    );
+    assert_eq!(hub.stats().replaced, 1);
+}
+
+#[test]
+fn wrong_connection_id_touches_nothing() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    hub.handle(now, peer, &connect_bytes(0xE91F_0001, 1, b"x"));
+    assert!(events(&mut hub).is_empty());
+    assert!(drain(&mut hub, now).is_empty());
+    assert_eq!(hub.stats().wrong_connection_id, 1);
+    hub.handle(now, peer, b"garbage");
+    assert_eq!(hub.stats().malformed, 1);
+}
+
+#[test]
+fn refusal_reaches_the_client_with_its_reason() {
+    let mut pair = Pair::new(11, cfg());
+    pair.auto_accept = false;
+    let b = pair.b.addr;
+    pair.a
+        .hub
+        .connect(pair.now, b, Bytes::from_static(b"bad creds"));
+    pair.flush();
+    pair.step();
+    pair.flush();
+    let req = pair.b.events.iter().find_map(|e| match e {
+        HubEvent::ConnectRequest { peer, payload } => Some((*peer, payload.clone())),
+        _ => None,
+    });
+    let (peer, payload) = req.expect("no connect request");
+    assert_eq!(&payload[..], b"bad creds");
+    pair.b.hub.refuse(peer, "unknown agent").unwrap();
+    pair.drive_until(100, |p| {
+        p.a.events
+            .iter()
+            .any(|e| matches!(e, HubEvent::Disconnected { .. }))
+    });
+    assert!(pair.a.events.contains(&HubEvent::Disconnected {
+        peer: b,
+        reason: CloseReason::Peer("unknown agent".into())
+    }));
+    assert_eq!(pair.b.hub.peer_count(), 0);
+    assert_eq!(pair.b.hub.stats().refused, 1);
+}
+
+#[test]
+fn peer_cap_turns_away_extra_connects() {
+    let mut c = cfg();
+    c.max_peers = 2;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    for port in 1..=3u16 {
+        let peer = SocketAddr::from(([127, 0, 0, 1], port));
+        hub.handle(now, peer, &connect_bytes(conn, 1, b"x"));
+        let _ = hub.accept(now, peer);
+    }
+    assert_eq!(hub.peer_count(), 2);
+    assert_eq!(hub.stats().peers_full, 1);
+    let out = drain(&mut hub, now);
+    let refused = out
+        .iter()
+        .find(|(to, _)| to.port() == 3)
+        .expect("third peer got no answer");
+    let p = Packet::decode(&refused.1).unwrap();
+    assert_eq!(
+        (p.ptype, p.payload),
+        (PacketType::Disconnect, &b"server full"[..])
+    );
+}
+
+#[test]
+fn window_queues_instead_of_dropping() {
+    let mut pair = Pair::new(5, cfg());
+    pair.connect();
+    let b = pair.b.addr;
+    // Cut the link: nothing gets acked.
+    pair.b.impair.loss = 1.0;
+    for i in 0..100u32 {
+        pair.a
+            .hub
+            .send(pair.now, b, "schema", Bytes::from(i.to_be_bytes().to_vec()))
+            .unwrap();
+    }
+    pair.flush();
+    let s = pair.a.hub.session(b).unwrap();
+    assert_eq!(s.in_flight(), 32);
+    assert_eq!(s.queued_bytes(), 68 * 4);
+    pair.b.impair.loss = 0.0;
+    assert!(pair.drive_until(50_000, |p| Pair::frames(&p.b.events).len() == 100));
+    let got: Vec<u32> = Pair::frames(&pair.b.events)
+        .iter()
+        .map(|(_, p)| u32::from_be_bytes([p[0], p[1], p[2], p[3]]))
+        .collect();
+    assert_eq!(got, (0..100).collect::<Vec<_>>());
+}
+
+#[test]
+fn queue_full_is_backpressure_not_loss() {
+    let mut c = cfg();
+    c.session.max_queued_bytes = 1000;
+    let mut pair = Pair::new(5, c);
+    pair.connect();
+    let b = pair.b.addr;
+    pair.a
+        .hub
+        .send(pair.now, b, "schema", Bytes::from(vec![0; 900]))
+        .unwrap();
+    let err = pair
+        .a
+        .hub
+        .send(pair.now, b, "schema", Bytes::from(vec![0; 200]))
+        .unwrap_err();
+    assert!(matches!(err, SendError::QueueFull { .. }));
+    assert!(matches!(
+        pair.a.hub.send(
+            pair.now,
+            b,
+            "schema",
+            Bytes::from(vec![0; 17 * 1024 * 1024])
+        ),
+        Err(SendError::TooLarge { .. })
+    ));
+    assert_eq!(
+        pair.a.hub.send(
+            pair.now,
+            "127.0.0.1:1".parse().unwrap(),
+            "schema",
+            Bytes::new()
+        ),
+        Err(SendError::UnknownPeer)
+    );
+}
+
+#[test]
+fn media_expires_and_does_not_block_ordered_frames() {
+    let mut pair = Pair::new(9, cfg());
+    pair.connect();
+    let b = pair.b.addr;
+    pair.b.impair.loss = 1.0;
+    pair.a
+        .hub
+        .send(pair.now, b, "media", Bytes::from_static(b"stale video"))
+        .unwrap();
+    // Let its 75 ms expiry pass while the link drops everything.
+    let until = pair.now + Duration::from_millis(100);
+    while pair.now < until {
+        pair.step();
+    }
+    pair.b.impair.loss = 0.0;
+    pair.a
+        .hub
+        .send(pair.now, b, "schema", Bytes::from_static(b"after"))
+        .unwrap();
+    assert!(pair.drive_until(10_000, |p| Pair::frames(&p.b.events)
+        .iter()
+        .any(|(c, _)| c == "schema")));
+    let frames = Pair::frames(&pair.b.events);
+    assert!(
+        !frames.iter().any(|(c, _)| c == "media"),
+        "expired media was delivered"
+    );
+    assert_eq!(pair.a.hub.stats().sessions.expired, 1);
+}
+
+#[test]
+fn silence_timeout_closes_both_ways() {
+    let mut c = cfg();
+    c.session.keepalive = None;
+    c.session.silence_timeout = Some(Duration::from_secs(2));
+    let mut pair = Pair::new(4, c);
+    pair.connect();
+    pair.a.impair.loss = 1.0;
+    pair.b.impair.loss = 1.0;
+    assert!(pair.drive_until(1000, |p| p
+        .a
+        .events
+        .iter()
+        .any(|e| matches!(e, HubEvent::Disconnected { .. }))));
+    assert!(pair.a.events.iter().any(|e| matches!(
+        e,
+        HubEvent::Disconnected {
+            reason: CloseReason::SilenceTimeout,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn keepalive_keeps_an_idle_session_open() {
+    let mut c = cfg();
+    c.session.keepalive = Some(Duration::from_secs(1));
+    c.session.silence_timeout = Some(Duration::from_secs(3));
+    let mut pair = Pair::new(4, c);
+    pair.connect();
+    let end = pair.now + Duration::from_secs(60);
+    while pair.now < end {
+        pair.step();
+    }
+    assert!(pair.a.hub.session(pair.b.addr).unwrap().is_connected());
+    assert!(!pair
+        .b
+        .events
+        .iter()
+        .any(|e| matches!(e, HubEvent::Disconnected { .. })));
+}
+
+#[test]
+fn unanswered_connect_is_abandoned_after_3s() {
+    let mut pair = Pair::new(4, cfg());
+    pair.b.impair.loss = 1.0;
+    let b = pair.b.addr;
+    let start = pair.now;
+    pair.a.hub.connect(pair.now, b, Bytes::from_static(b"x"));
+    assert!(pair.drive_until(1000, |p| p
+        .a
+        .events
+        .iter()
+        .any(|e| matches!(e, HubEvent::Disconnected { .. }))));
+    assert!(pair.a.events.contains(&HubEvent::Disconnected {
+        peer: b,
+        reason: CloseReason::ConnectTimeout
+    }));
+    assert_eq!(pair.now - start, Duration::from_secs(3));
+}
+
+#[test]
+fn accept_that_does_not_ack_our_connect_is_ignored() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let server: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    hub.connect(now, server, Bytes::from_static(b"x"));
+    let out = drain(&mut hub, now);
+    let connect = Packet::decode(&out[0].1).unwrap();
+    let mut accept = Vec::new();
+    Packet {
+        ptype: PacketType::Accept,
+        sequence: 500,
+        ack: connect.sequence.wrapping_add(1),
+        payload: b"",
+        ..connect
+    }
+    .encode(&mut accept)
+    .unwrap();
+    hub.handle(now, server, &accept);
+    assert!(events(&mut hub).is_empty());
+    assert!(!hub.session(server).unwrap().is_connected());
+}
+
+fn frag_packet(conn: u32, seq: u32, id: u16, index: u16, count: u16, body: &[u8]) -> Vec<u8> {
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Data,
+        flags: Flags(Flags::RELIABLE | Flags::ORDERED),
+        connection_id: conn,
+        sequence: seq,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment { id, index, count },
+        channel: "schema",
+        payload: body,
+    }
+    .encode(&mut b)
+    .unwrap();
+    b
+}
+
+fn server_with_client(c: HubConfig) -> (Hub, SocketAddr, u32, std::time::Instant) {
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let conn = hub.config().session.connection_id;
+    hub.handle(now, peer, &connect_bytes(conn, 1000, b"x"));
+    hub.accept(now, peer).unwrap();
+    drain(&mut hub, now);
+    events(&mut hub);
+    (hub, peer, conn, now)
+}
+
+#[test]
+fn fragment_sets_are_capped_at_64_per_peer() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    // 70 incomplete sets (first of two fragments each), at sequences that leave gaps.
+    for i in 0..70u16 {
+        hub.handle(
+            now,
+            peer,
+            &frag_packet(conn, 1002 + 2 * i as u32, i + 1, 0, 2, b"part"),
+        );
+    }
+    let s = hub.session(peer).unwrap();
+    assert_eq!(s.stats().memory_drops, 6);
+    assert!(s.receive_buffered_bytes() <= 64 * (4 + 64));
+    // The dropped fragments were not acked (the sender will resend them): no Ack names them.
+    let acked: Vec<u32> = drain(&mut hub, now)
+        .iter()
+        .filter_map(|(_, b)| Packet::decode(b).ok().map(|p| p.ack))
+        .collect();
+    assert!(
+        !acked.contains(&(1002 + 2 * 69)),
+        "a dropped fragment was acked"
+    );
+    assert!(
+        acked.contains(&(1002 + 2 * 63)),
+        "an accepted fragment was not acked"
+    );
+}
+
+#[test]
+fn oversize_fragmented_frame_closes_the_session() {
+    let mut c = cfg();
+    c.session.max_payload = 1000;
+    let (mut hub, peer, conn, now) = server_with_client(c);
+    let body = vec![0u8; 600];
+    hub.handle(now, peer, &frag_packet(conn, 1001, 1, 0, 2, &body));
+    hub.handle(now, peer, &frag_packet(conn, 1002, 1, 1, 2, &body));
+    let ev = events(&mut hub);
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            HubEvent::Disconnected {
+                reason: CloseReason::PeerMisbehaved(_),
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn incomplete_fragment_sets_expire() {
+    let mut c = cfg();
+    c.session.reassembly_timeout = Duration::from_secs(1);
+    c.session.silence_timeout = None;
+    let (mut hub, peer, conn, now) = server_with_client(c);
+    hub.handle(now, peer, &frag_packet(conn, 1001, 1, 0, 3, b"a"));
+    assert!(hub.session(peer).unwrap().receive_buffered_bytes() > 0);
+    hub.handle_timeout(now + Duration::from_secs(2));
+    let s = hub.session(peer).unwrap();
+    assert_eq!(s.stats().reassembly_expired, 1);
+    assert_eq!(s.receive_buffered_bytes(), 0);
+}
+
+#[test]
+fn ordered_but_unreliable_is_invalid() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Data,
+        flags: Flags(Flags::ORDERED),
+        connection_id: conn,
+        sequence: 0,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel: "x",
+        payload: b"y",
+    }
+    .encode(&mut b)
+    .unwrap();
+    hub.handle(now, peer, &b);
+    assert!(events(&mut hub).is_empty());
+    assert_eq!(hub.session(peer).unwrap().stats().invalid, 1);
+}
+
+#[test]
+fn every_reliable_arrival_is_acked_even_duplicates_and_held_back() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    let data = |seq: u32| frag_packet(conn, seq, 0, 0, 0, b"d");
+    // 1003 arrives before 1001/1002: held back, still acked.
+    hub.handle(now, peer, &data(1003));
+    let out = drain(&mut hub, now);
+    assert!(out.iter().any(|(_, b)| {
+        let p = Packet::decode(b).unwrap();
+        p.ptype == PacketType::Ack && p.ack == 1003
+    }));
+    hub.handle(now, peer, &data(1001));
+    hub.handle(now, peer, &data(1002));
+    drain(&mut hub, now);
+    // A duplicate of an old one far behind the newest is acked by name.
+    for s in 1004..1060 {
+        hub.handle(now, peer, &data(s));
+    }
+    drain(&mut hub, now);
+    hub.handle(now, peer, &data(1001));
+    let out = drain(&mut hub, now);
+    let p = Packet::decode(&out[0].1).unwrap();
+    assert_eq!((p.ptype, p.ack), (PacketType::Ack, 1001));
+    let frames = events(&mut hub)
+        .into_iter()
+        .filter(|e| matches!(e, HubEvent::Frame { .. }))
+        .count();
+    assert_eq!(frames, 59);
+    assert_eq!(hub.session(peer).unwrap().stats().duplicates, 1);
+}
+
+#[test]
+fn older_peer_lost_ack_hole_is_skipped() {
+    let mut c = cfg();
+    c.session.legacy_hole_timeout = Duration::from_millis(500);
+    c.session.silence_timeout = None;
+    let (mut hub, peer, conn, now) = server_with_client(c);
+    let mk = |ptype: PacketType, flags: u8, seq: u32, payload: &[u8]| {
+        let mut b = Vec::new();
+        Packet {
+            ptype,
+            flags: Flags(flags),
+            connection_id: conn,
+            sequence: seq,
+            ack: 0,
+            ack_mask: 0,
+            fragment: Fragment::default(),
+            channel: if ptype == PacketType::Data {
+                "schema"
+            } else {
+                "control"
+            },
+            payload,
+        }
+        .encode(&mut b)
+        .unwrap();
+        b
+    };
+    // Older peer: its ack takes 1001; the ping at 1002 is lost; data 1003 must not wait forever.
+    hub.handle(now, peer, &mk(PacketType::Ack, 0, 1001, b""));
+    hub.handle(now, peer, &mk(PacketType::Data, 3, 1003, b"hello"));
+    assert_eq!(hub.session(peer).unwrap().peer_rules(), PeerRules::Older);
+    assert!(!events(&mut hub)
+        .iter()
+        .any(|e| matches!(e, HubEvent::Frame { .. })));
+    hub.handle_timeout(now + Duration::from_millis(600));
+    let ev = events(&mut hub);
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, HubEvent::Frame { frame, .. } if &frame.payload[..] == b"hello")),
+        "{ev:?}"
+    );
+    assert_eq!(hub.session(peer).unwrap().stats().holes_skipped, 1);
+}
+
+#[test]
+fn newer_peer_sends_sequence_zero_on_unsequenced_packets() {
+    let mut pair = Pair::new(8, cfg());
+    pair.connect();
+    let b = pair.b.addr;
+    pair.a
+        .hub
+        .send(pair.now, b, "realtime", Bytes::from_static(b"r"))
+        .unwrap();
+    pair.a.hub.ping(b, b"p").unwrap();
+    let mut buf = Vec::new();
+    let mut seen = 0;
+    while pair.a.hub.poll_transmit(pair.now, &mut buf).is_some() {
+        let p = Packet::decode(&buf).unwrap();
+        assert_eq!(p.sequence, 0, "{:?}", p.ptype);
+        buf.clear();
+        seen += 1;
+    }
+    assert_eq!(seen, 2);
+}
+
+#[test]
+fn default_config_matches_the_facts() {
+    let c = SessionConfig::default();
+    assert_eq!(c.window, 32);
+    assert_eq!(c.max_fragment_sets, 64);
+    assert_eq!(c.max_payload, 16 * 1024 * 1024);
+    assert_eq!(c.initial_resend_delay, Duration::from_millis(250));
+    assert_eq!(c.connect_timeout, Duration::from_secs(3));
+    assert_eq!(c.media_expiry, Duration::from_millis(75));
+}
