@@ -485,4 +485,5 @@ fn add(total: &mut SessionStats, s: &SessionStats) {
     total.reassembly_expired += s.reassembly_expired;
     total.unreliable_dropped += s.unreliable_dropped;
     total.holes_skipped += s.holes_skipped;
+    total.late_after_skip += s.late_after_skip;
 }

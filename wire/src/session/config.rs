@@ -24,10 +24,15 @@ pub struct SessionConfig {
     pub connection_id: u32,
     /// Resend delay before any round trip has been measured (deployed peers: 250 ms).
     pub initial_resend_delay: Duration,
-    /// Floor of the adaptive resend delay (SRTT + 4 RTTVAR).
+    /// Floor of the adaptive resend delay (SRTT + max(4 RTTVAR, 1 ms) + the ack delay).
     pub min_resend_delay: Duration,
     /// Ceiling of the resend delay after exponential backoff.
     pub max_resend_delay: Duration,
+    /// In-order reliable packets are acknowledged together after at most this long...
+    pub ack_delay: Duration,
+    /// ...or as soon as this many await an ack. Gaps, duplicates and handshake packets are
+    /// acknowledged at once (the sender's fast retransmit needs them).
+    pub ack_frequency: usize,
     /// Reliable packets in flight; more are queued, not dropped.
     pub window: usize,
     /// Bytes that may wait behind the window before `send` answers `QueueFull`.
@@ -55,7 +60,9 @@ pub struct SessionConfig {
     /// Send a Ping when nothing was sent for this long; `None` = the caller pings.
     pub keepalive: Option<Duration>,
     /// Towards an older-rules peer (whose acks and pings consume sequences, so a lost one leaves
-    /// a hole no resend fills), skip a hole in ordered delivery after this long.
+    /// a hole no resend fills), skip a hole in ordered delivery after this long. Should exceed
+    /// the peer's resend delay (250 ms in deployed peers); a frame that still arrives for a
+    /// skipped hole is delivered late, not dropped.
     pub legacy_hole_timeout: Duration,
     /// Pongs, disconnects and other one-off control packets waiting to go out, at most.
     pub max_control_queue: usize,
@@ -68,8 +75,10 @@ impl Default for SessionConfig {
         Self {
             connection_id: GATEWAY_CONNECTION_ID,
             initial_resend_delay: Duration::from_millis(250),
-            min_resend_delay: Duration::from_millis(20),
+            min_resend_delay: Duration::from_millis(5),
             max_resend_delay: Duration::from_secs(2),
+            ack_delay: Duration::from_millis(1),
+            ack_frequency: 8,
             window: DEFAULT_WINDOW,
             max_queued_bytes: 32 * 1024 * 1024,
             max_fragment_size: Some(1200),
@@ -82,7 +91,7 @@ impl Default for SessionConfig {
             connect_timeout: Duration::from_secs(3),
             silence_timeout: Some(Duration::from_secs(30)),
             keepalive: Some(Duration::from_secs(5)),
-            legacy_hole_timeout: Duration::from_millis(500),
+            legacy_hole_timeout: Duration::from_secs(1),
             max_control_queue: 64,
             max_unreliable_queue: 1024,
         }

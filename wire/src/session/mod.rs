@@ -172,6 +172,8 @@ pub struct SessionStats {
     pub unreliable_dropped: u64,
     /// Gaps skipped towards an older-rules peer.
     pub holes_skipped: u64,
+    /// Frames that arrived for a skipped gap and were delivered out of order.
+    pub late_after_skip: u64,
 }
 
 #[derive(Debug)]
@@ -258,6 +260,10 @@ pub struct Session {
     highest_sent: u32,
     rtt: Rtt,
     recv: Recv,
+    /// Pending acks must go out now (gap, duplicate, handshake, count or delay reached).
+    ack_now: bool,
+    /// When the oldest pending in-order ack must go out at the latest.
+    ack_deadline: Option<Instant>,
     reasm: Reassembly,
     created: Instant,
     last_recv: Instant,
@@ -302,6 +308,8 @@ impl Session {
                 rttvar: Duration::ZERO,
             },
             recv: Recv::new(),
+            ack_now: false,
+            ack_deadline: None,
             reasm,
             created: now,
             last_recv: now,
@@ -464,7 +472,7 @@ impl Session {
         if matches!(self.state, State::Closed(_)) {
             return false;
         }
-        self.recv.has_pending_acks()
+        (self.ack_now && self.recv.has_pending_acks())
             || self.in_flight.iter().any(|e| e.due)
             || (self.state == State::Connected
                 && !self.queue.is_empty()
@@ -612,7 +620,14 @@ impl Session {
         self.last_recv = now;
         let reliable = p.flags.has(Flags::RELIABLE);
         let abandon_notice = p.ptype == PacketType::Ack && p.flags.has(Flags::ABANDON);
-        if !reliable && p.sequence != 0 && !abandon_notice && p.ptype != PacketType::Connect {
+        // `latest` frames carry their own channel counter under both rules, so only other
+        // unreliable packets with a sequence reveal an older-rules peer.
+        if !reliable
+            && p.sequence != 0
+            && !abandon_notice
+            && !p.flags.has(Flags::SEQUENCED)
+            && p.ptype != PacketType::Connect
+        {
             self.rules = PeerRules::Older;
         }
         if p.ptype != PacketType::Connect {
@@ -665,6 +680,9 @@ impl Session {
                 self.fail(CloseReason::SilenceTimeout);
                 return;
             }
+        }
+        if self.ack_deadline.is_some_and(|t| now >= t) {
+            self.ack_now = true;
         }
         let rto = self.rto();
         let max = self.cfg.max_resend_delay;
@@ -729,7 +747,9 @@ impl Session {
             self.transmit_in_flight(now, i, buf);
             return true;
         }
-        if let Some((ack, mask)) = self.recv.next_ack() {
+        if !self.ack_now {
+            // Pending in-order acks wait for their deadline or count.
+        } else if let Some((ack, mask)) = self.recv.next_ack() {
             let sequence = self.unreliable_seq();
             self.encode(
                 buf,
@@ -785,6 +805,9 @@ impl Session {
         if self.state == State::Connecting {
             at(self.created + self.cfg.connect_timeout);
         }
+        if let Some(d) = self.ack_deadline {
+            at(d);
+        }
         if let Some(s) = self.cfg.silence_timeout {
             at(self.last_recv + s);
         }
@@ -831,7 +854,7 @@ impl Session {
             let bytes = self.accept_bytes.clone();
             self.control.push_back(bytes);
         } else {
-            self.recv.want_ack(p.sequence);
+            self.ack_at_once(p.sequence);
         }
     }
 
@@ -848,13 +871,13 @@ impl Session {
             }
             self.peer_abandon = p.flags.has(Flags::ABANDON);
             self.recv.start_at(p.sequence);
-            self.recv.want_ack(p.sequence);
+            self.ack_at_once(p.sequence);
             self.state = State::Connected;
             self.events.push_back(SessionEvent::Connected);
             self.recv.advance(now, |_| {});
         } else if self.recv.received(p.sequence) {
             self.stats.duplicates += 1;
-            self.recv.want_ack(p.sequence);
+            self.ack_at_once(p.sequence);
         } else {
             self.stats.invalid += 1;
         }
@@ -966,8 +989,20 @@ impl Session {
     ) {
         let idx = match self.recv.classify(s) {
             Class::Duplicate => {
-                self.stats.duplicates += 1;
-                self.recv.want_ack(s);
+                if self.recv.take_skipped(s) {
+                    // An older peer's hole we gave up on was a real frame after all: deliver
+                    // it late rather than lose it.
+                    if let Ok(Some(Hold {
+                        frame, at: None, ..
+                    })) = take(self, 0)
+                    {
+                        self.stats.late_after_skip += 1;
+                        self.deliver(frame);
+                    }
+                } else {
+                    self.stats.duplicates += 1;
+                }
+                self.ack_at_once(s);
                 return;
             }
             Class::OutOfWindow => {
@@ -1028,6 +1063,23 @@ impl Session {
             stats.frames_in += 1;
             events.push_back(SessionEvent::Frame(f));
         });
+        if self.recv.pending_ack_count() >= self.cfg.ack_frequency {
+            // Ack now, inside the burst, not once after it: several acks per window mean a
+            // lost one is covered by the next instead of stalling the sender's window.
+            if let Some((ack, mask)) = self.recv.next_ack() {
+                self.push_ack(ack, mask);
+            }
+        } else if idx > 0 {
+            // Out of order: the sender may be waiting on this ack to retransmit.
+            self.ack_now = true;
+        } else if self.ack_deadline.is_none() {
+            self.ack_deadline = Some(now + self.cfg.ack_delay);
+        }
+    }
+
+    fn ack_at_once(&mut self, s: u32) {
+        self.recv.want_ack(s);
+        self.ack_now = true;
     }
 
     /// An older-rules peer's non-reliable sequence fills its slot in the reliable sequence.
@@ -1200,6 +1252,11 @@ impl Session {
         );
         if ack != 0 {
             self.recv.acked_by(ack, ack_mask);
+            if !self.recv.has_pending_acks() {
+                // Invariant: the ack timer runs only while acks are pending.
+                self.ack_now = false;
+                self.ack_deadline = None;
+            }
         }
     }
 
@@ -1211,6 +1268,23 @@ impl Session {
         } else {
             (h, self.recv.mask_for(h))
         }
+    }
+
+    /// Queues an explicit Ack naming `ack` (already taken off the pending list).
+    fn push_ack(&mut self, ack: u32, mask: u32) {
+        let sequence = self.unreliable_seq();
+        let mut bytes = Vec::with_capacity(packet::FIXED_HEADER_LEN + CONTROL_CHANNEL.len());
+        self.encode(
+            &mut bytes,
+            PacketType::Ack,
+            0,
+            sequence,
+            (ack, mask),
+            Fragment::default(),
+            CONTROL_CHANNEL,
+            &[],
+        );
+        self.control.push_back(bytes);
     }
 
     fn push_control(&mut self, ptype: PacketType, payload: &[u8]) {
@@ -1282,8 +1356,11 @@ impl Session {
     fn rto(&self) -> Duration {
         match self.rtt.srtt {
             None => self.cfg.initial_resend_delay,
-            Some(srtt) => (srtt + (self.rtt.rttvar * 4).max(Duration::from_millis(1)))
-                .clamp(self.cfg.min_resend_delay, self.cfg.max_resend_delay),
+            // QUIC's probe timeout: the peer may hold its ack for up to its ack delay.
+            Some(srtt) => {
+                (srtt + (self.rtt.rttvar * 4).max(Duration::from_millis(1)) + self.cfg.ack_delay)
+                    .clamp(self.cfg.min_resend_delay, self.cfg.max_resend_delay)
+            }
         }
     }
 

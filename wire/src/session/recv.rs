@@ -45,7 +45,13 @@ pub(crate) struct Recv {
     pending_acks: Vec<u32>,
     /// When the ring's front became a hole with later packets behind it.
     pub(crate) hole_since: Option<Instant>,
+    /// Sequences skipped as holes (newest last), so a late arrival is delivered, not dropped.
+    /// Invariant: at most `MAX_SKIPPED` entries.
+    skipped: VecDeque<u32>,
 }
+
+/// Skipped sequences remembered for late delivery.
+const MAX_SKIPPED: usize = 256;
 
 impl Recv {
     pub(crate) fn new() -> Self {
@@ -56,6 +62,18 @@ impl Recv {
             held_bytes: 0,
             pending_acks: Vec::new(),
             hole_since: None,
+            skipped: VecDeque::new(),
+        }
+    }
+
+    /// Whether `s` was skipped as a hole (and forgets it: it is taken now).
+    pub(crate) fn take_skipped(&mut self, s: u32) -> bool {
+        match self.skipped.iter().position(|&x| x == s) {
+            Some(i) => {
+                self.skipped.remove(i);
+                true
+            }
+            None => false,
         }
     }
 
@@ -144,9 +162,16 @@ impl Recv {
     /// Treats the hole at the ring's front as received (an older-rules peer's lost ack or
     /// ping, which no resend will ever fill), then advances.
     pub(crate) fn skip_hole(&mut self, now: Instant, deliver: impl FnMut(Frame)) -> bool {
+        let Some(through) = self.through else {
+            return false;
+        };
         match self.ring.front_mut() {
             Some(slot @ Slot::Empty) => {
                 *slot = Slot::Got(None);
+                if self.skipped.len() >= MAX_SKIPPED {
+                    self.skipped.pop_front();
+                }
+                self.skipped.push_back(seq::next(through));
                 self.hole_since = None;
                 self.advance(now, deliver);
                 true
@@ -190,6 +215,10 @@ impl Recv {
 
     pub(crate) fn has_pending_acks(&self) -> bool {
         !self.pending_acks.is_empty()
+    }
+
+    pub(crate) fn pending_ack_count(&self) -> usize {
+        self.pending_acks.len()
     }
 
     /// Forgets pending acks that a packet carrying (`ack`, `mask`) covers.

@@ -147,3 +147,32 @@ fn events_include_connected_once_each_side() {
     assert_eq!(count(&pair.a.events), 1);
     assert_eq!(count(&pair.b.events), 1);
 }
+
+/// Regression: `latest` frames carry a channel counter, which once made a newer peer look
+/// like an older-rules one (and a skipped "hole" then lost a schema frame).
+#[test]
+fn latest_frames_do_not_mark_a_peer_as_older() {
+    let mut pair = Pair::new(1, lossy_cfg());
+    pair.connect();
+    let b = pair.b.addr;
+    for i in 0..10u32 {
+        pair.a
+            .hub
+            .send(pair.now, b, "latest", Bytes::from(i.to_be_bytes().to_vec()))
+            .unwrap();
+        pair.a
+            .hub
+            .send(pair.now, b, "schema", Bytes::from(i.to_be_bytes().to_vec()))
+            .unwrap();
+    }
+    assert!(pair.drive_until(10_000, |p| Pair::frames(&p.b.events).len() == 20));
+    let a = pair.a.addr;
+    assert_eq!(
+        pair.b.hub.session(a).unwrap().peer_rules(),
+        crate::session::PeerRules::Newer
+    );
+    assert_eq!(
+        pair.a.hub.session(b).unwrap().peer_rules(),
+        crate::session::PeerRules::Newer
+    );
+}

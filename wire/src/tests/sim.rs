@@ -218,6 +218,22 @@ impl Pair {
             }
             side.hub.handle_timeout(now);
         }
+        self.flush();
+        // A timer left at or before `now` after it ran and its output went out would spin
+        // forever: it is a bug, not a slow test.
+        for side in [&self.a, &self.b] {
+            for peer in side.hub.peers() {
+                if let Some(s) = side.hub.session(peer) {
+                    if let Some(t) = s.poll_timeout() {
+                        assert!(
+                            t > now,
+                            "session timer stuck at {:?} before now: {s:?}",
+                            now - t
+                        );
+                    }
+                }
+            }
+        }
         true
     }
 

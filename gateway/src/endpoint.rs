@@ -1,0 +1,488 @@
+//! The CultNet UDP endpoint: one tokio task owns the socket and a [`Hub`]; everyone else talks to
+//! it through an [`EndpointHandle`] (commands in) and an [`EndpointEvent`] receiver (events out).
+//!
+//! Each wake-up the task drains commands, reads every datagram waiting (`recvmmsg`, with GRO
+//! segments split by their stride), runs due timers, then sends everything the hub has to
+//! send, packing consecutive same-size datagrams for one peer into one GSO send. Batching is
+//! what lets it beat the kernel's one-datagram-per-syscall ceiling on this machine.
+//!
+//! # Back-pressure and loss
+//! Sends are fire-and-forget: a frame the hub refuses (queue full, too large, unknown peer)
+//! comes back as [`EndpointEvent::SendFailed`]. When the event receiver is full the task waits
+//! for room instead of dropping events; meanwhile the socket is not read, the kernel buffer
+//! fills, and the peers' resends recover what the kernel dropped.
+//!
+//! # Caveats
+//! Dropping every [`EndpointHandle`] stops the task (after it sends what it has); so does
+//! [`EndpointHandle::shutdown`].
+
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use quinn_udp::{RecvMeta, Transmit, UdpSocketState};
+use std::collections::VecDeque;
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+use wire::error::SendError;
+
+use wire::hub::{Hub, HubConfig, HubEvent, HubStats};
+
+/// Largest GSO batch in bytes (the kernel's limit for one UDP send).
+const MAX_GSO_BYTES: usize = 65_000;
+/// Receive buffers per `recvmmsg` call; each holds one datagram or one GRO aggregate.
+const RECV_BUFFERS: usize = 16;
+/// Bytes per receive buffer: a GRO aggregate never exceeds 64 KiB.
+const RECV_BUFFER_BYTES: usize = 65_536;
+/// Commands handled per wake-up before the socket gets its turn.
+const COMMANDS_PER_TURN: usize = 4096;
+
+/// Endpoint settings.
+#[derive(Clone, Debug)]
+pub struct EndpointConfig {
+    /// Address to bind (CultNet RUDP binds loopback).
+    pub bind: SocketAddr,
+    /// Protocol settings.
+    pub hub: HubConfig,
+    /// Seed for the random initial sequences.
+    pub seed: u64,
+    /// Commands waiting for the task, at most (senders wait beyond it).
+    pub command_capacity: usize,
+    /// Events waiting for the owner, at most (the task waits beyond it).
+    pub event_capacity: usize,
+    /// Fraction of outgoing datagrams dropped on purpose, for tests and benchmarks of loss
+    /// recovery. Always 0 in production.
+    pub inject_loss: f64,
+}
+
+impl EndpointConfig {
+    /// Defaults around a bind address.
+    pub fn new(bind: SocketAddr, seed: u64) -> Self {
+        Self {
+            bind,
+            hub: HubConfig::default(),
+            seed,
+            command_capacity: 8192,
+            event_capacity: 8192,
+            inject_loss: 0.0,
+        }
+    }
+}
+
+/// What the endpoint reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointEvent {
+    /// Something the hub reported.
+    Hub(HubEvent),
+    /// A frame handed to [`EndpointHandle::send`] was refused.
+    SendFailed {
+        /// To whom.
+        peer: SocketAddr,
+        /// Why.
+        error: SendError,
+    },
+}
+
+/// Endpoint counters: the hub's, plus what the socket layer saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// The hub's counters.
+    pub hub: HubStats,
+    /// Datagrams handed to the kernel.
+    pub datagrams_sent: u64,
+    /// Send calls (one GSO batch carries several datagrams).
+    pub send_calls: u64,
+    /// Datagrams read.
+    pub datagrams_received: u64,
+    /// Datagrams dropped by `inject_loss`.
+    pub injected_drops: u64,
+}
+
+/// Why a command could not be delivered.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointError {
+    /// The endpoint task has stopped.
+    #[error("the CultNet endpoint has stopped")]
+    Stopped,
+    /// Binding or configuring the socket failed.
+    #[error("binding the CultNet socket on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+#[derive(Debug)]
+enum Command {
+    Send {
+        peer: SocketAddr,
+        channel: &'static str,
+        payload: Bytes,
+    },
+    Accept(SocketAddr),
+    Refuse(SocketAddr, String),
+    Connect(SocketAddr, Bytes),
+    Disconnect(SocketAddr, String),
+    Ping(SocketAddr, Bytes),
+    Stats(oneshot::Sender<EndpointStats>),
+    Shutdown,
+}
+
+/// A cheap, cloneable handle to the endpoint task.
+#[derive(Clone, Debug)]
+pub struct EndpointHandle {
+    tx: mpsc::Sender<Command>,
+    local: SocketAddr,
+}
+
+impl EndpointHandle {
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Sends a frame on `channel` (one of the known channel names, chosen at compile time).
+    pub async fn send(
+        &self,
+        peer: SocketAddr,
+        channel: &'static str,
+        payload: Bytes,
+    ) -> Result<(), EndpointError> {
+        self.cmd(Command::Send {
+            peer,
+            channel,
+            payload,
+        })
+        .await
+    }
+
+    /// Accepts a pending Connect.
+    pub async fn accept(&self, peer: SocketAddr) -> Result<(), EndpointError> {
+        self.cmd(Command::Accept(peer)).await
+    }
+
+    /// Refuses a pending Connect with a reason the client will see.
+    pub async fn refuse(&self, peer: SocketAddr, reason: &str) -> Result<(), EndpointError> {
+        self.cmd(Command::Refuse(peer, reason.to_owned())).await
+    }
+
+    /// Opens a client session to `peer`.
+    pub async fn connect(&self, peer: SocketAddr, payload: Bytes) -> Result<(), EndpointError> {
+        self.cmd(Command::Connect(peer, payload)).await
+    }
+
+    /// Closes a session.
+    pub async fn disconnect(&self, peer: SocketAddr, reason: &str) -> Result<(), EndpointError> {
+        self.cmd(Command::Disconnect(peer, reason.to_owned())).await
+    }
+
+    /// Pings a peer.
+    pub async fn ping(&self, peer: SocketAddr, payload: Bytes) -> Result<(), EndpointError> {
+        self.cmd(Command::Ping(peer, payload)).await
+    }
+
+    /// The endpoint's counters.
+    pub async fn stats(&self) -> Result<EndpointStats, EndpointError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmd(Command::Stats(tx)).await?;
+        rx.await.map_err(|_| EndpointError::Stopped)
+    }
+
+    /// Stops the task after it has sent what it has.
+    pub async fn shutdown(&self) -> Result<(), EndpointError> {
+        self.cmd(Command::Shutdown).await
+    }
+
+    async fn cmd(&self, c: Command) -> Result<(), EndpointError> {
+        self.tx.send(c).await.map_err(|_| EndpointError::Stopped)
+    }
+}
+
+/// Binds the socket and spawns the endpoint task on the current tokio runtime.
+pub async fn spawn(
+    cfg: EndpointConfig,
+) -> Result<
+    (
+        EndpointHandle,
+        mpsc::Receiver<EndpointEvent>,
+        tokio::task::JoinHandle<()>,
+    ),
+    EndpointError,
+> {
+    let bind_err = |source| EndpointError::Bind {
+        addr: cfg.bind,
+        source,
+    };
+    let socket = UdpSocket::bind(cfg.bind).await.map_err(bind_err)?;
+    let state = UdpSocketState::new((&socket).into()).map_err(bind_err)?;
+    let local = socket.local_addr().map_err(bind_err)?;
+    let (cmd_tx, cmd_rx) = mpsc::channel(cfg.command_capacity);
+    let (ev_tx, ev_rx) = mpsc::channel(cfg.event_capacity);
+    let driver = Driver {
+        hub: Hub::new(cfg.hub.clone(), cfg.seed),
+        max_segments: state.max_gso_segments().max(1),
+        socket,
+        state,
+        cmd_rx,
+        ev_tx,
+        batch: Vec::with_capacity(MAX_GSO_BYTES),
+        scratch: Vec::with_capacity(MAX_GSO_BYTES),
+        scratch_dest: None,
+        recv_buf: vec![0; RECV_BUFFERS * RECV_BUFFER_BYTES],
+        shutdown: false,
+        failures: VecDeque::new(),
+        stats: EndpointStats::default(),
+        inject_loss: cfg.inject_loss,
+        rng: cfg.seed | 1,
+    };
+    debug!(%local, gso = driver.max_segments, gro = driver.state.gro_segments(), "CultNet endpoint bound");
+    let task = tokio::spawn(driver.run());
+    Ok((EndpointHandle { tx: cmd_tx, local }, ev_rx, task))
+}
+
+struct Driver {
+    hub: Hub,
+    socket: UdpSocket,
+    state: UdpSocketState,
+    max_segments: usize,
+    cmd_rx: mpsc::Receiver<Command>,
+    ev_tx: mpsc::Sender<EndpointEvent>,
+    /// The GSO batch being built.
+    batch: Vec<u8>,
+    /// One datagram polled from the hub that did not fit the previous batch.
+    scratch: Vec<u8>,
+    scratch_dest: Option<SocketAddr>,
+    recv_buf: Vec<u8>,
+    shutdown: bool,
+    /// Send failures waiting to be reported (never dropped).
+    failures: VecDeque<EndpointEvent>,
+    stats: EndpointStats,
+    inject_loss: f64,
+    rng: u64,
+}
+
+impl Driver {
+    async fn run(mut self) {
+        let sleep = tokio::time::sleep(std::time::Duration::from_secs(3600));
+        tokio::pin!(sleep);
+        loop {
+            let now = Instant::now().into_std();
+            for _ in 0..COMMANDS_PER_TURN {
+                match self.cmd_rx.try_recv() {
+                    Ok(c) => self.command(now, c),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        self.shutdown = true;
+                        break;
+                    }
+                }
+            }
+            self.receive(now);
+            let now = Instant::now().into_std();
+            if self.hub.poll_timeout().is_some_and(|t| t <= now) {
+                self.hub.handle_timeout(now);
+            }
+            self.flush(now).await;
+            if !self.deliver_events().await || self.shutdown {
+                return;
+            }
+            let deadline = self.hub.poll_timeout().map(Instant::from_std);
+            if let Some(d) = deadline {
+                sleep.as_mut().reset(d);
+            }
+            tokio::select! {
+                biased;
+                c = self.cmd_rx.recv() => match c {
+                    Some(c) => self.command(Instant::now().into_std(), c),
+                    None => self.shutdown = true,
+                },
+                r = self.socket.readable() => {
+                    if let Err(e) = r {
+                        warn!(error = %e, "CultNet socket not readable");
+                    }
+                }
+                _ = &mut sleep, if deadline.is_some() => {}
+            }
+        }
+    }
+
+    fn command(&mut self, now: std::time::Instant, c: Command) {
+        match c {
+            Command::Send {
+                peer,
+                channel,
+                payload,
+            } => {
+                if let Err(error) = self.hub.send(now, peer, channel, payload) {
+                    self.failures
+                        .push_back(EndpointEvent::SendFailed { peer, error });
+                }
+            }
+            Command::Accept(peer) => {
+                if let Err(e) = self.hub.accept(now, peer) {
+                    debug!(%peer, error = %e, "accept for a connect that is no longer pending");
+                }
+            }
+            Command::Refuse(peer, reason) => {
+                let _ = self.hub.refuse(peer, &reason);
+            }
+            Command::Connect(peer, payload) => self.hub.connect(now, peer, payload),
+            Command::Disconnect(peer, reason) => self.hub.disconnect(peer, &reason),
+            Command::Ping(peer, payload) => {
+                let _ = self.hub.ping(peer, &payload);
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(EndpointStats {
+                    hub: self.hub.stats(),
+                    ..self.stats
+                });
+            }
+            Command::Shutdown => self.shutdown = true,
+        }
+    }
+
+    /// Reads every datagram waiting, without blocking.
+    fn receive(&mut self, now: std::time::Instant) {
+        let mut meta = [RecvMeta::default(); RECV_BUFFERS];
+        loop {
+            let n = {
+                let mut bufs: Vec<IoSliceMut<'_>> = self
+                    .recv_buf
+                    .chunks_mut(RECV_BUFFER_BYTES)
+                    .map(IoSliceMut::new)
+                    .collect();
+                let state = &self.state;
+                let socket = &self.socket;
+                match socket.try_io(Interest::READABLE, || {
+                    state.recv(socket.into(), &mut bufs, &mut meta)
+                }) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                    Err(e) => {
+                        // ICMP errors from a vanished peer surface here; nothing to do but go on.
+                        debug!(error = %e, "CultNet recv error");
+                        return;
+                    }
+                }
+            };
+            for (i, m) in meta.iter().take(n).enumerate() {
+                let buf = &self.recv_buf[i * RECV_BUFFER_BYTES..i * RECV_BUFFER_BYTES + m.len];
+                let stride = if m.stride == 0 {
+                    m.len.max(1)
+                } else {
+                    m.stride
+                };
+                for datagram in buf.chunks(stride) {
+                    self.stats.datagrams_received += 1;
+                    self.hub.handle(now, m.addr, datagram);
+                }
+            }
+        }
+    }
+
+    /// Sends everything the hub has, batching same-size datagrams to one peer with GSO.
+    async fn flush(&mut self, now: std::time::Instant) {
+        loop {
+            self.batch.clear();
+            let dest = match self.scratch_dest.take() {
+                Some(d) => {
+                    self.batch.extend_from_slice(&self.scratch);
+                    d
+                }
+                None => match self.next_datagram(now, true) {
+                    Some(d) => d,
+                    None => return,
+                },
+            };
+            let seg = self.batch.len();
+            let mut count = 1;
+            while count < self.max_segments && self.batch.len() + seg <= MAX_GSO_BYTES {
+                let Some(d) = self.next_datagram(now, false) else {
+                    break;
+                };
+                if d != dest || self.scratch.len() > seg {
+                    self.scratch_dest = Some(d);
+                    break;
+                }
+                self.batch.extend_from_slice(&self.scratch);
+                count += 1;
+                if self.scratch.len() < seg {
+                    break; // A shorter datagram can only end a GSO batch.
+                }
+            }
+            let transmit = Transmit {
+                destination: dest,
+                ecn: None,
+                contents: &self.batch,
+                segment_size: (count > 1).then_some(seg),
+                src_ip: None,
+            };
+            self.stats.send_calls += 1;
+            self.stats.datagrams_sent += count as u64;
+            loop {
+                let state = &self.state;
+                let socket = &self.socket;
+                match socket.try_io(Interest::WRITABLE, || state.send(socket.into(), &transmit)) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        if socket.writable().await.is_err() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        debug!(error = %e, "CultNet send error");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The hub's next datagram into the batch (`into_batch`) or the scratch buffer, skipping
+    /// the ones `inject_loss` drops.
+    fn next_datagram(&mut self, now: std::time::Instant, into_batch: bool) -> Option<SocketAddr> {
+        loop {
+            let buf = if into_batch {
+                &mut self.batch
+            } else {
+                &mut self.scratch
+            };
+            buf.clear();
+            let dest = self.hub.poll_transmit(now, buf)?;
+            if self.inject_loss > 0.0 && self.roll() < self.inject_loss {
+                self.stats.injected_drops += 1;
+                continue;
+            }
+            return Some(dest);
+        }
+    }
+
+    /// A uniform number in [0, 1) (xorshift64).
+    fn roll(&mut self) -> f64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Moves hub events to the owner, waiting for room; false once the owner is gone.
+    async fn deliver_events(&mut self) -> bool {
+        while let Some(ev) = self.failures.pop_front() {
+            if self.ev_tx.send(ev).await.is_err() {
+                return false;
+            }
+        }
+        while let Some(ev) = self.hub.poll_event() {
+            if self.ev_tx.send(EndpointEvent::Hub(ev)).await.is_err() {
+                return false;
+            }
+        }
+        true
+    }
+}
