@@ -32,31 +32,57 @@ async fn frames_flow_both_ways_in_order_even_with_loss() {
     let (server, mut srx) = endpoint(1, 0.1).await;
     let (client, mut crx) = endpoint(2, 0.1).await;
     let saddr = server.local_addr();
-    client.connect(saddr, Bytes::from_static(b"creds")).await.unwrap();
-    let HubEvent::ConnectRequest { peer, payload } = next_hub(&mut srx).await else { panic!() };
+    client
+        .connect(saddr, Bytes::from_static(b"creds"))
+        .await
+        .unwrap();
+    let HubEvent::ConnectRequest { peer, payload } = next_hub(&mut srx).await else {
+        panic!()
+    };
     assert_eq!(&payload[..], b"creds");
     server.accept(peer).await.unwrap();
-    assert!(matches!(next_hub(&mut crx).await, HubEvent::Connected { .. }));
-    assert!(matches!(next_hub(&mut srx).await, HubEvent::Connected { .. }));
+    assert!(matches!(
+        next_hub(&mut crx).await,
+        HubEvent::Connected { .. }
+    ));
+    assert!(matches!(
+        next_hub(&mut srx).await,
+        HubEvent::Connected { .. }
+    ));
     for i in 0..2000u32 {
-        client.send(saddr, "schema", Bytes::from(i.to_be_bytes().to_vec())).await.unwrap();
+        client
+            .send(saddr, "schema", Bytes::from(i.to_be_bytes().to_vec()))
+            .await
+            .unwrap();
     }
     // One big frame needs fragmentation (default 1200-byte fragments).
     let big = Bytes::from((0..100_000u32).map(|i| i as u8).collect::<Vec<_>>());
     client.send(saddr, "schema", big.clone()).await.unwrap();
     for i in 0..2000u32 {
-        let HubEvent::Frame { frame, .. } = next_hub(&mut srx).await else { panic!() };
+        let HubEvent::Frame { frame, .. } = next_hub(&mut srx).await else {
+            panic!()
+        };
         assert_eq!(&frame.payload[..], &i.to_be_bytes());
     }
-    let HubEvent::Frame { frame, .. } = next_hub(&mut srx).await else { panic!() };
+    let HubEvent::Frame { frame, .. } = next_hub(&mut srx).await else {
+        panic!()
+    };
     assert_eq!(frame.payload, big);
-    server.send(peer, "schema", Bytes::from_static(b"answer")).await.unwrap();
-    let HubEvent::Frame { frame, .. } = next_hub(&mut crx).await else { panic!() };
+    server
+        .send(peer, "schema", Bytes::from_static(b"answer"))
+        .await
+        .unwrap();
+    let HubEvent::Frame { frame, .. } = next_hub(&mut crx).await else {
+        panic!()
+    };
     assert_eq!(&frame.payload[..], b"answer");
     let stats = client.stats().await.unwrap();
     assert!(stats.injected_drops > 0, "loss injection did nothing");
     assert!(stats.hub.sessions.resends > 0);
-    assert!(stats.send_calls < stats.datagrams_sent, "no batching happened");
+    assert!(
+        stats.send_calls < stats.datagrams_sent,
+        "no batching happened"
+    );
 }
 
 #[tokio::test]
@@ -64,15 +90,26 @@ async fn refusal_and_send_failures_are_reported() {
     let (server, mut srx) = endpoint(3, 0.0).await;
     let (client, mut crx) = endpoint(4, 0.0).await;
     let saddr = server.local_addr();
-    client.connect(saddr, Bytes::from_static(b"who")).await.unwrap();
-    let HubEvent::ConnectRequest { peer, .. } = next_hub(&mut srx).await else { panic!() };
+    client
+        .connect(saddr, Bytes::from_static(b"who"))
+        .await
+        .unwrap();
+    let HubEvent::ConnectRequest { peer, .. } = next_hub(&mut srx).await else {
+        panic!()
+    };
     server.refuse(peer, "unknown agent").await.unwrap();
     assert_eq!(
         next_hub(&mut crx).await,
-        HubEvent::Disconnected { peer: saddr, reason: CloseReason::Peer("unknown agent".into()) }
+        HubEvent::Disconnected {
+            peer: saddr,
+            reason: CloseReason::Peer("unknown agent".into())
+        }
     );
     let nobody = "127.0.0.1:9".parse().unwrap();
-    server.send(nobody, "schema", Bytes::from_static(b"x")).await.unwrap();
+    server
+        .send(nobody, "schema", Bytes::from_static(b"x"))
+        .await
+        .unwrap();
     match tokio::time::timeout(Duration::from_secs(5), srx.recv()).await {
         Ok(Some(EndpointEvent::SendFailed { peer, error })) => {
             assert_eq!(peer, nobody);

@@ -102,6 +102,8 @@ pub struct HubStats {
     pub replaced: u64,
     /// Refusals dropped because the raw queue was full.
     pub raw_dropped: u64,
+    /// Connects forgotten because the owner did not answer within the connect timeout.
+    pub unanswered_connects: u64,
     /// Summed session counters.
     pub sessions: SessionStats,
 }
@@ -117,6 +119,8 @@ pub enum HubError {
 
 #[derive(Debug)]
 struct Pending {
+    /// When the Connect arrived; unanswered after the connect timeout, it is forgotten.
+    at: Instant,
     sequence: u32,
     flags: Flags,
     payload: Bytes,
@@ -286,8 +290,13 @@ impl Hub {
         }
     }
 
-    /// Runs every session's timers.
+    /// Runs every session's timers, and forgets Connects the owner left unanswered for longer
+    /// than the connect timeout (so they cannot hold peer slots).
     pub fn handle_timeout(&mut self, now: Instant) {
+        let limit = self.cfg.session.connect_timeout;
+        let before = self.pending.len();
+        self.pending.retain(|_, p| now < p.at + limit);
+        self.stats.unanswered_connects += (before - self.pending.len()) as u64;
         let due: Vec<SocketAddr> = self
             .peers
             .iter()
@@ -332,12 +341,12 @@ impl Hub {
         self.events.pop_front()
     }
 
-    /// The earliest session timer.
+    /// The earliest session timer (or pending-Connect expiry).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.peers
-            .values()
-            .filter_map(|e| e.session.poll_timeout())
-            .min()
+        let limit = self.cfg.session.connect_timeout;
+        let sessions = self.peers.values().filter_map(|e| e.session.poll_timeout());
+        let pending = self.pending.values().map(|p| p.at + limit);
+        sessions.chain(pending).min()
     }
 
     fn on_connect(&mut self, now: Instant, from: SocketAddr, p: &Packet<'_>) {
@@ -379,6 +388,7 @@ impl Hub {
         self.pending.insert(
             from,
             Pending {
+                at: now,
                 sequence: p.sequence,
                 flags: p.flags,
                 payload: payload.clone(),

@@ -639,7 +639,7 @@ impl Session {
             PacketType::Data => self.on_data(now, p),
             PacketType::Ack => {
                 if abandon_notice && p.sequence != 0 {
-                    self.on_reliable(now, p.sequence, |_, _| Ok(None));
+                    self.on_reliable(now, p.sequence, |_| Ok(None));
                 } else {
                     self.consume_legacy_seq(now, p.sequence);
                 }
@@ -905,8 +905,7 @@ impl Session {
             }
             let frag = p.fragment;
             let payload = p.payload;
-            self.on_reliable(now, p.sequence, |s, idx| {
-                let _ = idx;
+            self.on_reliable(now, p.sequence, |s| {
                 if frag.count == 0 {
                     let f = Frame {
                         channel: channel.clone(),
@@ -985,7 +984,7 @@ impl Session {
         &mut self,
         now: Instant,
         s: u32,
-        take: impl FnOnce(&mut Self, usize) -> Result<Option<Hold>, Refuse>,
+        take: impl FnOnce(&mut Self) -> Result<Option<Hold>, Refuse>,
     ) {
         let idx = match self.recv.classify(s) {
             Class::Duplicate => {
@@ -994,7 +993,7 @@ impl Session {
                     // it late rather than lose it.
                     if let Ok(Some(Hold {
                         frame, at: None, ..
-                    })) = take(self, 0)
+                    })) = take(self)
                     {
                         self.stats.late_after_skip += 1;
                         self.deliver(frame);
@@ -1011,7 +1010,7 @@ impl Session {
             }
             Class::New(idx) => idx,
         };
-        let hold = match take(self, idx) {
+        let hold = match take(self) {
             Ok(h) => h,
             Err(Refuse::Memory) => {
                 self.stats.memory_drops += 1;

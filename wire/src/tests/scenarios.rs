@@ -648,3 +648,31 @@ fn frame_arriving_for_a_skipped_hole_is_delivered_late_not_dropped() {
         (1, 1, 0)
     );
 }
+
+#[test]
+fn unanswered_connects_expire_and_free_their_slot() {
+    let mut c = cfg();
+    c.max_peers = 1;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let second: SocketAddr = "127.0.0.1:2".parse().unwrap();
+    hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
+    hub.handle(now, second, &connect_bytes(conn, 1, b"y"));
+    assert_eq!(hub.stats().peers_full, 1);
+    let later = hub.poll_timeout().expect("pending connect has no deadline");
+    assert_eq!(later, now + Duration::from_secs(3));
+    hub.handle_timeout(later);
+    assert_eq!(hub.stats().unanswered_connects, 1);
+    assert_eq!(
+        hub.accept(later, first),
+        Err(crate::hub::HubError::NoPendingConnect(first))
+    );
+    events(&mut hub);
+    hub.handle(later, second, &connect_bytes(conn, 1, b"y"));
+    assert!(matches!(
+        events(&mut hub)[..],
+        [HubEvent::ConnectRequest { .. }]
+    ));
+}
