@@ -1,0 +1,144 @@
+//! Token usage and its price.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Prompt-cache lifetime: each hit refreshes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ttl {
+    /// 5 minutes (the CLI's default); writes cost 1.25x base input.
+    FiveMinutes,
+    /// 1 hour (`CLAUDE_CODE_PROMPT_CACHE_TTL=1h`); writes cost 2x base input.
+    OneHour,
+}
+
+impl Ttl {
+    /// How long an entry lives after its last hit.
+    pub fn duration(self) -> Duration {
+        match self {
+            Self::FiveMinutes => Duration::from_secs(300),
+            Self::OneHour => Duration::from_secs(3600),
+        }
+    }
+}
+
+/// Prices in US dollars per million tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Prices {
+    /// Uncached input.
+    pub input: f64,
+    /// Cache write with a 5-minute TTL.
+    pub cache_write_5m: f64,
+    /// Cache write with a 1-hour TTL.
+    pub cache_write_1h: f64,
+    /// Cache read.
+    pub cache_read: f64,
+    /// Output (thinking included).
+    pub output: f64,
+}
+
+impl Default for Prices {
+    /// Anthropic's published ratios on a $3 base: writes 1.25x / 2x, reads 0.1x, output 5x.
+    fn default() -> Self {
+        Self::from_base(3.0, 0.1)
+    }
+}
+
+impl Prices {
+    /// A table from a base input price and a read ratio (0.1, or 0.05 on some newer models).
+    pub fn from_base(base: f64, read_ratio: f64) -> Self {
+        Self {
+            input: base,
+            cache_write_5m: base * 1.25,
+            cache_write_1h: base * 2.0,
+            cache_read: base * read_ratio,
+            output: base * 5.0,
+        }
+    }
+
+    /// Price of one cache write token under `ttl`.
+    pub fn write(&self, ttl: Ttl) -> f64 {
+        match ttl {
+            Ttl::FiveMinutes => self.cache_write_5m,
+            Ttl::OneHour => self.cache_write_1h,
+        }
+    }
+
+    /// Dollars for `tokens` at `per_million`.
+    pub fn dollars(tokens: u64, per_million: f64) -> f64 {
+        tokens as f64 * per_million / 1e6
+    }
+}
+
+/// One request's usage, as the API reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Uncached input tokens.
+    pub input: u64,
+    /// Tokens read from the cache.
+    pub cache_read: u64,
+    /// Tokens written with a 5-minute TTL.
+    pub cache_write_5m: u64,
+    /// Tokens written with a 1-hour TTL.
+    pub cache_write_1h: u64,
+    /// Output tokens.
+    pub output: u64,
+}
+
+impl Usage {
+    /// Every prompt token, however billed: the size of the prefix sent.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.input + self.cache_read + self.cache_write_5m + self.cache_write_1h
+    }
+
+    /// Share of prompt tokens read from the cache (0 when there were none).
+    pub fn hit_ratio(&self) -> f64 {
+        match self.prompt_tokens() {
+            0 => 0.0,
+            n => self.cache_read as f64 / n as f64,
+        }
+    }
+
+    /// What it costs under `p`.
+    pub fn cost(&self, p: &Prices) -> f64 {
+        Prices::dollars(self.input, p.input)
+            + Prices::dollars(self.cache_read, p.cache_read)
+            + Prices::dollars(self.cache_write_5m, p.cache_write_5m)
+            + Prices::dollars(self.cache_write_1h, p.cache_write_1h)
+            + Prices::dollars(self.output, p.output)
+    }
+
+    /// Adds another request's usage.
+    pub fn add(&mut self, o: &Usage) {
+        self.input += o.input;
+        self.cache_read += o.cache_read;
+        self.cache_write_5m += o.cache_write_5m;
+        self.cache_write_1h += o.cache_write_1h;
+        self.output += o.output;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn billing_follows_the_published_ratios() {
+        let p = Prices::default();
+        let u = Usage {
+            input: 1_000_000,
+            cache_read: 1_000_000,
+            cache_write_5m: 1_000_000,
+            cache_write_1h: 1_000_000,
+            output: 1_000_000,
+        };
+        let c = u.cost(&p);
+        assert!((c - (3.0 + 0.3 + 3.75 + 6.0 + 15.0)).abs() < 1e-9, "{c}");
+        assert_eq!(u.prompt_tokens(), 4_000_000);
+        assert!((u.hit_ratio() - 0.25).abs() < 1e-12);
+        assert_eq!(Usage::default().hit_ratio(), 0.0);
+        assert_eq!(p.write(Ttl::OneHour), 6.0);
+        assert_eq!(Ttl::FiveMinutes.duration(), Duration::from_secs(300));
+    }
+}

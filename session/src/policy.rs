@@ -1,0 +1,258 @@
+//! The refresh policy: a pure function of measured telemetry, the time and the configuration.
+//!
+//! Called before each turn (a batch is waiting) and on the timer it asks for
+//! ([`next_check`]) while idle. Rules, in order:
+//! 1. The last turn was refused as too long (HTTP 400, or the CLI's own blocking limit, which it
+//!    enforces without calling the API) -> compact or start fresh, whichever costs less.
+//! 2. The context is past the watermark (well before the blocking limit) -> the same choice.
+//! 3. A batch waits, the cache has expired, and the prefix is large: resuming would rewrite the
+//!    whole prefix at the write price, so start fresh (rehydrated) if that is cheaper.
+//! 4. Ski rental: start fresh once the cache reads paid above the rehydration size since the
+//!    last fresh start reach the cost of one rebuild (at most twice the hindsight optimum).
+//! 5. Idle (no batch): refresh the cache shortly before it expires while the refreshes paid
+//!    since the last turn stay below the cost of the rewrite they avoid (ski rental again);
+//!    otherwise evict a process idle for longer than `evict_after` (its session stays
+//!    resumable).
+//!
+//! Every rule's inputs are in [`Telemetry`], so a logged decision can be replayed.
+
+use std::time::{Duration, Instant};
+
+use crate::cost::{Prices, Ttl};
+
+/// Policy constants.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyConfig {
+    /// The model's context window (tokens).
+    pub context_window: u64,
+    /// The CLI refuses turns at `context_window - blocking_margin` (200k window: 177k).
+    pub blocking_margin: u64,
+    /// Act once the prefix passes this share of the blocking limit.
+    pub watermark: f64,
+    /// Cache lifetime in use.
+    pub ttl: Ttl,
+    /// Price table.
+    pub prices: Prices,
+    /// Evict a live process idle this long.
+    pub evict_after: Duration,
+    /// Start fresh after an expired cache only when the cold prefix is this many times the
+    /// rehydration size (continuity is worth something).
+    pub cold_prefix_factor: f64,
+    /// Expected size of a compaction summary (tokens of output, then of prefix).
+    pub compact_summary_tokens: u64,
+    /// Refresh the cache before it expires (bounded by ski rental).
+    pub keep_warm: bool,
+    /// How long before expiry the refresh fires.
+    pub keep_warm_lead: Duration,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            context_window: 200_000,
+            blocking_margin: 23_000,
+            watermark: 0.75,
+            ttl: Ttl::OneHour,
+            prices: Prices::default(),
+            evict_after: Duration::from_secs(2 * 3600),
+            cold_prefix_factor: 1.25,
+            compact_summary_tokens: 4_000,
+            keep_warm: true,
+            keep_warm_lead: Duration::from_secs(60),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Where the CLI starts refusing turns.
+    pub fn blocking_limit(&self) -> u64 {
+        self.context_window.saturating_sub(self.blocking_margin)
+    }
+
+    /// Prefix size at which rule 2 acts.
+    pub fn watermark_tokens(&self) -> u64 {
+        (self.blocking_limit() as f64 * self.watermark) as u64
+    }
+}
+
+/// How the last turn ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Outcome {
+    /// No turn yet.
+    #[default]
+    None,
+    /// A result without error.
+    Ok,
+    /// HTTP 400 prompt too long.
+    PromptTooLong,
+    /// The CLI refused the turn at its blocking limit.
+    BlockingLimit,
+    /// Retries exhausted or another API error (handled by the caller's retry, not here).
+    ApiError,
+}
+
+/// Whether a CLI process is running for the Persona.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Process {
+    /// Running and idle between turns.
+    Running,
+    /// Not running (never started, evicted, or crashed); the session can be resumed.
+    #[default]
+    Stopped,
+}
+
+/// What the policy sees, all measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Telemetry {
+    /// Whether a batch is waiting for a turn.
+    pub batch_waiting: bool,
+    /// The process.
+    pub process: Process,
+    /// How the last turn ended.
+    pub last_outcome: Outcome,
+    /// The conversation's size: the last request's prompt tokens plus its output.
+    pub prefix_tokens: u64,
+    /// What a fresh start would send: system prompt, Persona state, recent room timelines.
+    pub rehydration_tokens: u64,
+    /// The part of the rehydration that a compaction keeps too (system prompt and state).
+    pub base_tokens: u64,
+    /// Last request that read or wrote the cache (turn or keep-warm refresh).
+    pub last_cache_touch: Option<Instant>,
+    /// End of the last turn.
+    pub last_turn_at: Option<Instant>,
+    /// Dollars of cache reads above the rehydration size, summed since the last fresh start.
+    pub excess_read_cost: f64,
+    /// Dollars of keep-warm refreshes since the last turn.
+    pub keep_warm_cost: f64,
+}
+
+/// Why a session is compacted or restarted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// HTTP 400.
+    PromptTooLong,
+    /// The CLI's blocking limit.
+    BlockingLimit,
+    /// Past the watermark.
+    Watermark,
+    /// The cache expired and the prefix is large.
+    ColdCache,
+    /// The ski-rental rule.
+    SkiRental,
+}
+
+/// What to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Go on (run the waiting batch in the live session, or stay idle).
+    Continue,
+    /// Compact the conversation, then go on.
+    Compact(Reason),
+    /// Start a new session rehydrated from the recent timelines.
+    FreshStart(Reason),
+    /// Stop the idle process; resume later.
+    Evict,
+    /// Refresh the cache now with a forked, unpersisted one-line request.
+    KeepWarm,
+}
+
+/// Dollars to start fresh: write the rehydration prefix.
+pub fn rebuild_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
+    Prices::dollars(t.rehydration_tokens, c.prices.write(c.ttl))
+}
+
+/// Dollars to compact now: read (or, cold, rewrite) the prefix, write the summary as output,
+/// then write base + summary as the new prefix.
+pub fn compact_cost(t: &Telemetry, c: &PolicyConfig, now: Instant) -> f64 {
+    let p = &c.prices;
+    let read = if warm(t, c, now) {
+        p.cache_read
+    } else {
+        p.write(c.ttl)
+    };
+    Prices::dollars(t.prefix_tokens, read)
+        + Prices::dollars(c.compact_summary_tokens, p.output)
+        + Prices::dollars(t.base_tokens + c.compact_summary_tokens, p.write(c.ttl))
+}
+
+/// Dollars one keep-warm refresh costs: a read of the prefix (plus a few tokens).
+pub fn refresh_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
+    Prices::dollars(t.prefix_tokens + 16, c.prices.cache_read) + Prices::dollars(8, c.prices.output)
+}
+
+/// Whether the cache entry is still alive at `now`.
+pub fn warm(t: &Telemetry, c: &PolicyConfig, now: Instant) -> bool {
+    t.last_cache_touch
+        .is_some_and(|at| now < at + c.ttl.duration())
+}
+
+/// The decision (see the module docs for the rules).
+pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
+    let shrink = |reason| {
+        if compact_cost(t, c, now) < rebuild_cost(t, c) {
+            Decision::Compact(reason)
+        } else {
+            Decision::FreshStart(reason)
+        }
+    };
+    match t.last_outcome {
+        Outcome::PromptTooLong => return shrink(Reason::PromptTooLong),
+        Outcome::BlockingLimit => return shrink(Reason::BlockingLimit),
+        _ => {}
+    }
+    if t.prefix_tokens >= c.watermark_tokens() {
+        return shrink(Reason::Watermark);
+    }
+    if t.batch_waiting {
+        let cold = t.last_cache_touch.is_some() && !warm(t, c, now);
+        if cold && t.prefix_tokens as f64 > t.rehydration_tokens as f64 * c.cold_prefix_factor {
+            return Decision::FreshStart(Reason::ColdCache);
+        }
+        if t.excess_read_cost >= rebuild_cost(t, c) && t.prefix_tokens > t.rehydration_tokens {
+            return Decision::FreshStart(Reason::SkiRental);
+        }
+        return Decision::Continue;
+    }
+    if keep_warm_due(t, now, c) {
+        return Decision::KeepWarm;
+    }
+    if t.process == Process::Running && t.last_turn_at.is_some_and(|at| now >= at + c.evict_after) {
+        return Decision::Evict;
+    }
+    Decision::Continue
+}
+
+/// Whether an idle session should refresh its cache now.
+fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
+    let Some(touch) = t.last_cache_touch else {
+        return false;
+    };
+    if !c.keep_warm || t.prefix_tokens == 0 {
+        return false;
+    }
+    let expiry = touch + c.ttl.duration();
+    let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
+    // The rewrite a refresh avoids: the next turn would rewrite the prefix, or start fresh.
+    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c));
+    now >= fire_at && now < expiry && t.keep_warm_cost + refresh_cost(t, c) <= rewrite
+}
+
+/// When an idle session should be looked at again (keep-warm or eviction), if ever.
+pub fn next_check(t: &Telemetry, c: &PolicyConfig) -> Option<Instant> {
+    let keep_warm = t
+        .last_cache_touch
+        .filter(|_| c.keep_warm && t.prefix_tokens > 0)
+        .map(|touch| {
+            (touch + c.ttl.duration())
+                .checked_sub(c.keep_warm_lead)
+                .unwrap_or(touch)
+        });
+    let evict = t
+        .last_turn_at
+        .filter(|_| t.process == Process::Running)
+        .map(|at| at + c.evict_after);
+    [keep_warm, evict].into_iter().flatten().min()
+}
+
+#[cfg(test)]
+mod tests;

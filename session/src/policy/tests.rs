@@ -1,0 +1,307 @@
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::cost::{Prices, Ttl};
+
+const NS: Duration = Duration::from_nanos(1);
+
+fn cfg() -> PolicyConfig {
+    PolicyConfig::default()
+}
+
+/// A warm, mid-sized session with a batch waiting.
+fn base(now: Instant) -> Telemetry {
+    Telemetry {
+        batch_waiting: true,
+        process: Process::Running,
+        last_outcome: Outcome::Ok,
+        prefix_tokens: 40_000,
+        rehydration_tokens: 30_000,
+        base_tokens: 25_000,
+        last_cache_touch: Some(now - Duration::from_secs(10)),
+        last_turn_at: Some(now - Duration::from_secs(10)),
+        excess_read_cost: 0.0,
+        keep_warm_cost: 0.0,
+    }
+}
+
+#[test]
+fn a_warm_small_session_continues() {
+    let now = Instant::now();
+    assert_eq!(decide(&base(now), now, &cfg()), Decision::Continue);
+}
+
+#[test]
+fn refused_turns_shrink_by_the_cheaper_way() {
+    let now = Instant::now();
+    for (outcome, reason) in [
+        (Outcome::PromptTooLong, Reason::PromptTooLong),
+        (Outcome::BlockingLimit, Reason::BlockingLimit),
+    ] {
+        // Rehydration small: starting fresh is cheaper than compacting 170k tokens.
+        let mut t = base(now);
+        t.last_outcome = outcome;
+        t.prefix_tokens = 170_000;
+        assert_eq!(decide(&t, now, &cfg()), Decision::FreshStart(reason));
+        assert!(compact_cost(&t, &cfg(), now) >= rebuild_cost(&t, &cfg()));
+        // Rehydration huge (long timelines), cache warm: compaction is cheaper.
+        t.rehydration_tokens = 120_000;
+        assert!(compact_cost(&t, &cfg(), now) < rebuild_cost(&t, &cfg()));
+        assert_eq!(decide(&t, now, &cfg()), Decision::Compact(reason));
+        // Even with no batch waiting (the refusal must be dealt with first).
+        t.batch_waiting = false;
+        assert_eq!(decide(&t, now, &cfg()), Decision::Compact(reason));
+    }
+}
+
+#[test]
+fn watermark_boundary() {
+    let now = Instant::now();
+    let c = cfg();
+    assert_eq!(c.blocking_limit(), 177_000);
+    let w = c.watermark_tokens();
+    assert_eq!(w, 132_750);
+    let mut t = base(now);
+    t.prefix_tokens = w - 1;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    t.prefix_tokens = w;
+    assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::Watermark));
+}
+
+#[test]
+fn cold_cache_boundary() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    t.prefix_tokens = 37_501; // just over 1.25 x 30,000
+    let touch = now - c.ttl.duration();
+    t.last_cache_touch = Some(touch + NS);
+    assert_eq!(
+        decide(&t, now, &c),
+        Decision::Continue,
+        "still warm by a nanosecond"
+    );
+    t.last_cache_touch = Some(touch);
+    assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::ColdCache));
+    t.prefix_tokens = 37_500;
+    assert_eq!(
+        decide(&t, now, &c),
+        Decision::Continue,
+        "not large enough to be worth a restart"
+    );
+    // A session that never touched the cache is not "cold".
+    t.prefix_tokens = 100_000;
+    t.last_cache_touch = None;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    // 5-minute TTL: the same gap is cold much sooner.
+    let c5 = PolicyConfig {
+        ttl: Ttl::FiveMinutes,
+        ..cfg()
+    };
+    t.last_cache_touch = Some(now - Duration::from_secs(301));
+    assert_eq!(
+        decide(&t, now, &c5),
+        Decision::FreshStart(Reason::ColdCache)
+    );
+}
+
+#[test]
+fn ski_rental_boundary() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    let buy = rebuild_cost(&t, &c);
+    assert!((buy - 30_000.0 * 6.0 / 1e6).abs() < 1e-12);
+    t.excess_read_cost = buy - 1e-9;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    t.excess_read_cost = buy;
+    assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::SkiRental));
+    // A prefix no larger than the rehydration gains nothing from restarting.
+    t.prefix_tokens = t.rehydration_tokens;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+}
+
+#[test]
+fn keep_warm_window_and_budget() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    t.batch_waiting = false;
+    let expiry = now;
+    let fire = expiry - c.keep_warm_lead;
+    t.last_cache_touch = Some(expiry - c.ttl.duration());
+    t.last_turn_at = t.last_cache_touch;
+    assert_eq!(decide(&t, fire - NS, &c), Decision::Continue);
+    assert_eq!(decide(&t, fire, &c), Decision::KeepWarm);
+    assert_eq!(decide(&t, expiry - NS, &c), Decision::KeepWarm);
+    assert_eq!(
+        decide(&t, expiry, &c),
+        Decision::Continue,
+        "too late: already expired"
+    );
+    // Budget: refreshes since the last turn may not exceed the rewrite they avoid.
+    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    t.keep_warm_cost = rewrite - refresh_cost(&t, &c);
+    assert_eq!(decide(&t, fire, &c), Decision::KeepWarm);
+    t.keep_warm_cost += 1e-9;
+    assert_eq!(decide(&t, fire, &c), Decision::Continue);
+    t.keep_warm_cost = 0.0;
+    let off = PolicyConfig {
+        keep_warm: false,
+        ..cfg()
+    };
+    assert_eq!(decide(&t, fire, &off), Decision::Continue);
+    // A waiting batch is a turn, not a refresh.
+    t.batch_waiting = true;
+    assert_eq!(decide(&t, fire, &c), Decision::Continue);
+}
+
+#[test]
+fn eviction_boundary() {
+    let now = Instant::now();
+    let c = PolicyConfig {
+        keep_warm: false,
+        ..cfg()
+    };
+    let mut t = base(now);
+    t.batch_waiting = false;
+    t.last_turn_at = Some(now - c.evict_after + NS);
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    t.last_turn_at = Some(now - c.evict_after);
+    assert_eq!(decide(&t, now, &c), Decision::Evict);
+    t.process = Process::Stopped;
+    assert_eq!(decide(&t, now, &c), Decision::Continue, "nothing to evict");
+    t.process = Process::Running;
+    t.batch_waiting = true;
+    assert_eq!(
+        decide(&t, now, &c),
+        Decision::Continue,
+        "a waiting batch is never evicted"
+    );
+}
+
+#[test]
+fn next_check_is_the_earliest_idle_rule() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    t.batch_waiting = false;
+    let touch = t.last_cache_touch.unwrap();
+    assert_eq!(
+        next_check(&t, &c),
+        Some(touch + c.ttl.duration() - c.keep_warm_lead)
+    );
+    let off = PolicyConfig {
+        keep_warm: false,
+        ..cfg()
+    };
+    assert_eq!(
+        next_check(&t, &off),
+        Some(t.last_turn_at.unwrap() + c.evict_after)
+    );
+    t.process = Process::Stopped;
+    assert_eq!(next_check(&t, &off), None);
+}
+
+/// A trace of turns, each adding `growth` tokens to a warm session (gaps short of the TTL).
+/// Returns the cost paid following decide(), and its number of restarts.
+fn policy_cost(growth: &[u64], rehydration: u64, c: &PolicyConfig) -> (f64, usize) {
+    let p = c.prices;
+    let now = Instant::now();
+    let mut prefix = rehydration;
+    let mut excess = 0.0;
+    let mut cost = Prices::dollars(rehydration, p.write(c.ttl));
+    let mut restarts = 0;
+    for &g in growth {
+        let t = Telemetry {
+            batch_waiting: true,
+            process: Process::Running,
+            last_outcome: Outcome::Ok,
+            prefix_tokens: prefix,
+            rehydration_tokens: rehydration,
+            base_tokens: rehydration,
+            last_cache_touch: Some(now),
+            last_turn_at: Some(now),
+            excess_read_cost: excess,
+            keep_warm_cost: 0.0,
+        };
+        let turn = match decide(&t, now, c) {
+            Decision::FreshStart(Reason::SkiRental) => {
+                restarts += 1;
+                prefix = rehydration;
+                excess = 0.0;
+                Prices::dollars(rehydration, p.write(c.ttl))
+            }
+            Decision::Continue => {
+                excess += Prices::dollars(prefix - rehydration, p.cache_read);
+                Prices::dollars(prefix, p.cache_read)
+            }
+            other => panic!("unexpected {other:?}"),
+        };
+        cost += turn + Prices::dollars(g, p.write(c.ttl));
+        prefix += g;
+    }
+    (cost, restarts)
+}
+
+/// The cheapest restart schedule in hindsight (dynamic programming over restart points).
+fn optimal_cost(growth: &[u64], rehydration: u64, c: &PolicyConfig) -> f64 {
+    let p = c.prices;
+    let n = growth.len();
+    let w = p.write(c.ttl);
+    // best[k]: cheapest way to serve turns 0..k.
+    let mut best = vec![f64::INFINITY; n + 1];
+    best[0] = Prices::dollars(rehydration, w);
+    for k in 1..=n {
+        for j in 0..k {
+            // Turns j..k after a restart right before turn j (none for j = 0).
+            let mut cost = best[j];
+            let mut prefix = rehydration;
+            for (i, &g) in growth.iter().enumerate().take(k).skip(j) {
+                cost += if i == j && j > 0 {
+                    Prices::dollars(rehydration, w)
+                } else {
+                    Prices::dollars(prefix, p.cache_read)
+                };
+                cost += Prices::dollars(g, w);
+                prefix += g;
+            }
+            best[k] = best[k].min(cost);
+        }
+    }
+    best[n]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// Ski rental pays at most twice the hindsight optimum on any growth trace.
+    #[test]
+    fn ski_rental_is_two_competitive(
+        growth in proptest::collection::vec(200u64..6_000, 20..150),
+        rehydration in 5_000u64..40_000,
+    ) {
+        let c = cfg();
+        let (paid, _) = policy_cost(&growth, rehydration, &c);
+        let opt = optimal_cost(&growth, rehydration, &c);
+        prop_assert!(paid <= 2.0 * opt + 1e-9, "policy {paid} vs optimum {opt}: {:.3}x", paid / opt);
+    }
+}
+
+/// A fixed trace whose ratio the README reports: 300 turns of 600-1400 tokens each.
+#[test]
+fn ski_rental_on_the_reference_trace() {
+    let growth: Vec<u64> = (0..300u64).map(|i| 600 + (i * 7919 % 800)).collect();
+    let c = cfg();
+    let (paid, restarts) = policy_cost(&growth, 28_000, &c);
+    let opt = optimal_cost(&growth, 28_000, &c);
+    let ratio = paid / opt;
+    eprintln!(
+        "ski rental on the reference trace: {restarts} restarts, {ratio:.3}x the hindsight optimum"
+    );
+    assert!(
+        ratio <= 2.0 && restarts > 0,
+        "ratio {ratio}, restarts {restarts}"
+    );
+}
