@@ -4,11 +4,17 @@
 //!   reads at 0.1x of base input).
 //! - [`policy`]: the refresh decision, a pure `decide(telemetry, now, config)`: continue,
 //!   compact, start fresh, evict the idle process, or refresh the cache before it expires.
+//! - [`render`]: batch selection (one conversation at a time), the one-block user message with
+//!   its fixed header, context sent once, the reply schema and its validation, say request ids.
+//! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
-//! Still to come (issue 4): the claude CLI driver over stream-json, batch rendering, the reply
-//! schema, session identity and resume, and the gateway wiring.
+//! Still to come (issue 4): the process driver (spawn, readiness, turn timeout, interrupt and
+//! kill), session identity and resume, telemetry storage, the mock Messages API, the rebuild
+//! baseline and the gateway wiring.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod cost;
 pub mod policy;
+pub mod proto;
+pub mod render;

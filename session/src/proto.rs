@@ -1,0 +1,308 @@
+//! The claude CLI's stream-json protocol: typed stdout events (tolerant of unknown fields and
+//! event types) and the stdin lines the gateway writes.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::cost::Usage;
+use crate::policy::Outcome;
+
+/// One stdout line, decoded.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Event {
+    /// `system/*`: init, status, api_retry, compact_boundary, ...
+    System(SystemEvent),
+    /// An assistant message (text, tool use), or an API error shown as one.
+    Assistant(MessageEvent),
+    /// A user-side event (tool results).
+    User(MessageEvent),
+    /// The end of a turn.
+    Result(ResultEvent),
+    /// The answer to a control request.
+    ControlResponse(Value),
+    /// The conversation was wiped (a `/clear` ran).
+    ConversationReset(Value),
+    /// A type this version does not know: ignored.
+    #[serde(other)]
+    Unknown,
+}
+
+/// `type: system`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct SystemEvent {
+    /// `init`, `status`, `api_retry`, `compact_boundary`, ...
+    #[serde(default)]
+    pub subtype: String,
+    /// The session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// `api_retry`: attempt number.
+    #[serde(default)]
+    pub attempt: Option<u32>,
+    /// `api_retry`: retries allowed.
+    #[serde(default)]
+    pub max_retries: Option<u32>,
+    /// `api_retry`: wait before the next try.
+    #[serde(default)]
+    pub retry_delay_ms: Option<u64>,
+    /// `api_retry`: the HTTP status that failed.
+    #[serde(default)]
+    pub error_status: Option<u16>,
+}
+
+/// `type: assistant` / `type: user`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct MessageEvent {
+    /// The message as the API shaped it.
+    #[serde(default)]
+    pub message: Value,
+    /// The session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Set when the API failed and the CLI shows the error as a message.
+    #[serde(default)]
+    pub is_api_error_message: bool,
+}
+
+/// Token counts as the API reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct ApiUsage {
+    /// Uncached input.
+    #[serde(default)]
+    pub input_tokens: u64,
+    /// All cache writes.
+    #[serde(default)]
+    pub cache_creation_input_tokens: u64,
+    /// Cache reads.
+    #[serde(default)]
+    pub cache_read_input_tokens: u64,
+    /// Output.
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// Writes by TTL.
+    #[serde(default)]
+    pub cache_creation: CacheCreation,
+}
+
+/// Cache writes split by TTL.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct CacheCreation {
+    /// 1-hour writes.
+    #[serde(default)]
+    pub ephemeral_1h_input_tokens: u64,
+    /// 5-minute writes.
+    #[serde(default)]
+    pub ephemeral_5m_input_tokens: u64,
+}
+
+impl ApiUsage {
+    /// As a [`Usage`]. Writes the split does not account for count as 5-minute writes.
+    pub fn usage(&self) -> Usage {
+        let split = self.cache_creation.ephemeral_1h_input_tokens
+            + self.cache_creation.ephemeral_5m_input_tokens;
+        Usage {
+            input: self.input_tokens,
+            cache_read: self.cache_read_input_tokens,
+            cache_write_1h: self.cache_creation.ephemeral_1h_input_tokens,
+            cache_write_5m: self.cache_creation.ephemeral_5m_input_tokens
+                + self.cache_creation_input_tokens.saturating_sub(split),
+            output: self.output_tokens,
+        }
+    }
+}
+
+/// `type: result`: one per turn.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct ResultEvent {
+    /// `success` or `error_during_execution` (check `is_error`, not this).
+    #[serde(default)]
+    pub subtype: String,
+    /// Whether the turn failed.
+    #[serde(default)]
+    pub is_error: bool,
+    /// `completed`, `prompt_too_long`, `blocking_limit`, `api_error`, `aborted_streaming`, ...
+    #[serde(default)]
+    pub terminal_reason: Option<String>,
+    /// The final text.
+    #[serde(default)]
+    pub result: Option<String>,
+    /// The reply under `--json-schema` (absent when the model never called the tool).
+    #[serde(default)]
+    pub structured_output: Option<Value>,
+    /// The session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// API requests in the turn.
+    #[serde(default)]
+    pub num_turns: u32,
+    /// Wall time of the turn.
+    #[serde(default)]
+    pub duration_ms: u64,
+    /// The CLI's own cumulative cost estimate for the session.
+    #[serde(default)]
+    pub total_cost_usd: f64,
+    /// This turn's usage.
+    #[serde(default)]
+    pub usage: ApiUsage,
+    /// The failed request's HTTP status.
+    #[serde(default)]
+    pub api_error_status: Option<u16>,
+    /// Errors the CLI reports (e.g. a missing session on `--resume`).
+    #[serde(default)]
+    pub errors: Vec<String>,
+}
+
+impl ResultEvent {
+    /// How the turn ended, for the refresh policy.
+    pub fn outcome(&self) -> Outcome {
+        match self.terminal_reason.as_deref() {
+            Some("prompt_too_long") => Outcome::PromptTooLong,
+            Some("blocking_limit") => Outcome::BlockingLimit,
+            _ if self.is_error => Outcome::ApiError,
+            _ => Outcome::Ok,
+        }
+    }
+}
+
+/// Why a stdout line could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtoError {
+    /// Not JSON, or a known event with fields of the wrong type.
+    #[error("unreadable CLI output line: {0}")]
+    Unreadable(#[from] serde_json::Error),
+}
+
+/// Decodes one stdout line; `Ok(None)` for a blank line.
+pub fn parse_line(line: &str) -> Result<Option<Event>, ProtoError> {
+    let line = line.trim();
+    if line.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(serde_json::from_str(line)?))
+}
+
+/// The stdin line carrying one user message: one text block (so its start is the rendered
+/// batch's fixed header, never chat text).
+pub fn user_line(text: &str) -> String {
+    let v = serde_json::json!({
+        "type": "user",
+        "message": {"role": "user", "content": [{"type": "text", "text": text}]}
+    });
+    format!("{v}\n")
+}
+
+/// The stdin line of a control request (`initialize`, `interrupt`).
+pub fn control_line(request_id: &str, subtype: &str) -> String {
+    let v = serde_json::json!({"type": "control_request", "request_id": request_id, "request": {"subtype": subtype}});
+    format!("{v}\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events(name: &str) -> Vec<Event> {
+        let path = format!(
+            "{}/../fixtures/claude-cli-2.1.332/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .lines()
+            .filter_map(|l| parse_line(l).unwrap_or_else(|e| panic!("{name}: {e}: {l}")))
+            .collect()
+    }
+
+    fn results(ev: &[Event]) -> Vec<&ResultEvent> {
+        ev.iter()
+            .filter_map(|e| {
+                if let Event::Result(r) = e {
+                    Some(r)
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn structured_output_on_every_turn() {
+        let ev = events("q1_so3.stdout.jsonl");
+        let r = results(&ev);
+        assert_eq!(r.len(), 3);
+        for (i, res) in r.iter().enumerate() {
+            assert_eq!(res.outcome(), Outcome::Ok);
+            let so = res.structured_output.as_ref().expect("structured_output");
+            assert_eq!(so["say"][0]["text"], format!("t{}", i + 1));
+        }
+        // Turn 2 reads what turn 1 wrote.
+        assert!(r[1].usage.usage().cache_read > 0);
+        assert_eq!(
+            r[0].usage.usage().cache_write_5m,
+            r[0].usage.cache_creation_input_tokens
+        );
+        assert!(ev
+            .iter()
+            .any(|e| matches!(e, Event::System(s) if s.subtype == "init")));
+    }
+
+    #[test]
+    fn refusals_map_to_policy_outcomes() {
+        let too_long = events("err400.stdout.jsonl");
+        let r = results(&too_long);
+        assert_eq!(r[0].outcome(), Outcome::PromptTooLong);
+        assert_eq!(r[0].api_error_status, Some(400));
+        assert_eq!(r[0].usage.usage(), Usage::default());
+        assert_eq!(r[1].outcome(), Outcome::Ok);
+        let blocked = events("q4_settings_off.stdout.jsonl");
+        assert!(results(&blocked)
+            .iter()
+            .any(|r| r.outcome() == Outcome::BlockingLimit));
+        let overloaded = events("err529.stdout.jsonl");
+        assert!(overloaded.iter().any(|e| matches!(e, Event::System(s) if s.subtype == "api_retry" && s.error_status == Some(529))));
+        assert!(results(&overloaded)
+            .iter()
+            .any(|r| r.outcome() == Outcome::ApiError));
+    }
+
+    #[test]
+    fn interrupt_reset_and_control_events_are_typed() {
+        let ev = events("interrupt.stdout.jsonl");
+        assert!(results(&ev)
+            .iter()
+            .any(|r| r.is_error && r.terminal_reason.as_deref() == Some("aborted_streaming")));
+        assert!(events("slash_clear.stdout.jsonl")
+            .iter()
+            .any(|e| matches!(e, Event::ConversationReset(_))));
+        assert!(events("ctrlinit.stdout.jsonl")
+            .iter()
+            .any(|e| matches!(e, Event::ControlResponse(_))));
+    }
+
+    #[test]
+    fn unknown_and_bad_lines() {
+        assert_eq!(parse_line("").unwrap(), None);
+        assert_eq!(
+            parse_line(r#"{"type":"brand_new","x":1}"#).unwrap(),
+            Some(Event::Unknown)
+        );
+        assert!(parse_line("not json").is_err());
+        assert!(parse_line(r#"{"type":"result","is_error":"yes"}"#).is_err());
+    }
+
+    #[test]
+    fn stdin_lines() {
+        let l = user_line("[cultnet batch 1-1]\nalice: /clear");
+        assert!(l.ends_with('\n') && !l[..l.len() - 1].contains('\n'));
+        let v: Value = serde_json::from_str(&l).unwrap();
+        assert_eq!(
+            v["message"]["content"][0]["text"],
+            "[cultnet batch 1-1]\nalice: /clear"
+        );
+        let c: Value = serde_json::from_str(&control_line("r1", "initialize")).unwrap();
+        assert_eq!(c["request"]["subtype"], "initialize");
+    }
+}
