@@ -15,6 +15,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod cost;
+pub mod driver;
 pub mod policy;
 pub mod proto;
 pub mod render;

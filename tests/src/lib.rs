@@ -1,4 +1,10 @@
-//! Support code for the end-to-end tests (Synapse launcher, mock Messages API, CLI install
-//! helpers arrive with issues 3 and 4). The tests themselves live in `tests/tests/`.
+//! Support code for the end-to-end tests; the tests themselves live in `tests/tests/`.
+//!
+//! - [`mock_api`]: a local stand-in for the model's Messages API (the only mock in the project:
+//!   these machines cannot reach the real one).
+//! - [`claude_cli`]: the pinned claude CLI, installed by `deploy/install-claude-cli.sh`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
+
+pub mod claude_cli;
+pub mod mock_api;

@@ -1,0 +1,314 @@
+//! Drives one long-lived claude CLI process over stream-json.
+//!
+//! The process gets piped stdio, an environment built from an explicit allow-list (nothing of
+//! the gateway's own environment leaks in: no Matrix tokens), its own config and working
+//! directories, `--bare` (no injected reminders), the CLI's auto-compaction off (the policy
+//! decides), tools off, and the reply schema. Readiness is the answer to an `initialize`
+//! control request. One batch is sent at a time and its `result` awaited: lines sent during a
+//! turn would be merged into one next turn.
+//!
+//! # Caveats
+//! A turn that outlives its timeout is interrupted; if no result follows within the grace
+//! period the process is killed and [`DriverError::TimedOut`] returned; the session can be
+//! resumed with `--resume`. Dropping a [`Cli`] kills the process (`kill_on_drop`).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tracing::{debug, warn};
+
+use crate::cost::Ttl;
+use crate::proto::{self, Event, ResultEvent};
+
+/// How to start the CLI.
+#[derive(Clone, Debug)]
+pub struct CliConfig {
+    /// The `claude` executable.
+    pub exe: PathBuf,
+    /// Model name.
+    pub model: String,
+    /// System prompt file (the doctrine).
+    pub system_prompt_file: PathBuf,
+    /// JSON Schema of the reply.
+    pub json_schema: String,
+    /// Private `CLAUDE_CONFIG_DIR` (and `HOME`) for this Persona.
+    pub config_dir: PathBuf,
+    /// Working directory for this Persona.
+    pub work_dir: PathBuf,
+    /// Messages API base URL (`ANTHROPIC_BASE_URL`).
+    pub api_base_url: String,
+    /// API key passed to the CLI (the model's, never a Matrix token).
+    pub api_key: String,
+    /// Cache TTL the CLI asks for.
+    pub cache_ttl: Ttl,
+    /// Extended thinking on or off.
+    pub thinking: bool,
+    /// Start a new session with this id, or resume it when `resume` is set.
+    pub session_id: Option<String>,
+    /// Resume `session_id` instead of starting it.
+    pub resume: bool,
+    /// On resume, use the current system prompt file instead of the recorded one.
+    pub system_prompt_changed: bool,
+    /// Longest a turn may run before it is interrupted.
+    pub turn_timeout: Duration,
+    /// Wait this long for the interrupted turn's result, or for readiness, before killing.
+    pub grace: Duration,
+}
+
+/// What can go wrong driving the CLI.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DriverError {
+    /// The process could not be started.
+    #[error("starting the claude CLI {exe}: {source}")]
+    Spawn {
+        /// Executable.
+        exe: PathBuf,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// It did not answer the `initialize` control request in time.
+    #[error("the claude CLI did not become ready within {0:?}")]
+    NotReady(Duration),
+    /// It exited (or closed stdout) mid-conversation.
+    #[error("the claude CLI exited: {0}")]
+    Exited(String),
+    /// Writing to its stdin failed.
+    #[error("writing to the claude CLI: {0}")]
+    Write(std::io::Error),
+    /// A turn outlived its timeout and the interrupt did not end it; the process was killed.
+    #[error("the turn did not finish within {0:?}; the CLI was killed")]
+    TimedOut(Duration),
+}
+
+/// One finished turn.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// The `result` event.
+    pub result: ResultEvent,
+    /// `system/api_retry` events seen during the turn.
+    pub retries: u32,
+    /// The conversation was reset (a slash command ran): must never happen.
+    pub reset: bool,
+}
+
+/// A running CLI process.
+#[derive(Debug)]
+pub struct Cli {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Lines<BufReader<ChildStdout>>,
+    cfg: CliConfig,
+    session_id: Option<String>,
+    next_request: u64,
+}
+
+impl Cli {
+    /// Spawns the CLI and waits until it answers `initialize`.
+    pub async fn spawn(cfg: CliConfig) -> Result<Self, DriverError> {
+        let mut cmd = Command::new(&cfg.exe);
+        cmd.args([
+            "-p",
+            "--input-format",
+            "stream-json",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+            "--bare",
+        ])
+        .arg("--model")
+        .arg(&cfg.model)
+        .arg("--system-prompt-file")
+        .arg(&cfg.system_prompt_file)
+        .arg("--json-schema")
+        .arg(&cfg.json_schema)
+        .args([
+            "--tools",
+            "",
+            "--settings",
+            r#"{"autoCompactEnabled":false}"#,
+        ]);
+        if let Some(id) = &cfg.session_id {
+            if cfg.resume {
+                cmd.arg("--resume").arg(id);
+                if cfg.system_prompt_changed {
+                    cmd.args(["--system-prompt-snapshot", "off"]);
+                }
+            } else {
+                cmd.arg("--session-id").arg(id);
+            }
+        }
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &cfg.config_dir)
+            .env("CLAUDE_CONFIG_DIR", &cfg.config_dir)
+            .env("ANTHROPIC_BASE_URL", &cfg.api_base_url)
+            .env("ANTHROPIC_API_KEY", &cfg.api_key)
+            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+            .env("DISABLE_TELEMETRY", "1")
+            .env("DISABLE_ERROR_REPORTING", "1")
+            .env("DISABLE_AUTOUPDATER", "1")
+            .env("DISABLE_AUTO_COMPACT", "1");
+        if cfg.cache_ttl == Ttl::OneHour {
+            cmd.env("CLAUDE_CODE_PROMPT_CACHE_TTL", "1h");
+        }
+        if !cfg.thinking {
+            cmd.env("MAX_THINKING_TOKENS", "0");
+        }
+        cmd.current_dir(&cfg.work_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        let spawn_err = |source| DriverError::Spawn {
+            exe: cfg.exe.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
+        std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
+        let mut child = cmd.spawn().map_err(spawn_err)?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(DriverError::Exited("no stdio pipes".into()));
+        };
+        let mut cli = Self {
+            child,
+            stdin,
+            lines: BufReader::new(stdout).lines(),
+            session_id: cfg.session_id.clone(),
+            cfg,
+            next_request: 1,
+        };
+        let id = cli.control("initialize").await?;
+        let grace = cli.cfg.grace.max(Duration::from_secs(10));
+        let ready = tokio::time::timeout(grace, async {
+            loop {
+                match cli.next_event().await? {
+                    Event::ControlResponse(v)
+                        if v["response"]["request_id"] == id.as_str()
+                            || v["request_id"] == id.as_str() =>
+                    {
+                        return Ok(())
+                    }
+                    Event::ControlResponse(_) => return Ok(()),
+                    _ => {}
+                }
+            }
+        })
+        .await;
+        match ready {
+            Ok(r) => r.map(|()| cli),
+            Err(_) => Err(DriverError::NotReady(grace)),
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The session id, once the CLI has reported it.
+    pub fn session_id(&self) -> Option<&str> {
+        self.session_id.as_deref()
+    }
+
+    /// Sends one user message and waits for its result.
+    pub async fn turn(&mut self, text: &str) -> Result<Turn, DriverError> {
+        self.write(&proto::user_line(text)).await?;
+        let timeout = self.cfg.turn_timeout;
+        match tokio::time::timeout(timeout, self.until_result()).await {
+            Ok(r) => r,
+            Err(_) => {
+                warn!(?timeout, "turn timed out; interrupting");
+                self.control("interrupt").await?;
+                match tokio::time::timeout(self.cfg.grace, self.until_result()).await {
+                    Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {
+                        let _ = self.child.kill().await;
+                        Err(DriverError::TimedOut(timeout))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes stdin, waits up to `grace` for a clean exit, then kills.
+    pub async fn shutdown(mut self, grace: Duration) {
+        drop(self.stdin);
+        if tokio::time::timeout(grace, self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+
+    async fn until_result(&mut self) -> Result<Turn, DriverError> {
+        let mut retries = 0;
+        let mut reset = false;
+        loop {
+            match self.next_event().await? {
+                Event::Result(r) => {
+                    if let Some(id) = &r.session_id {
+                        self.session_id = Some(id.clone());
+                    }
+                    return Ok(Turn {
+                        result: r,
+                        retries,
+                        reset,
+                    });
+                }
+                Event::System(s) => {
+                    if s.subtype == "api_retry" {
+                        retries += 1;
+                    }
+                    if let Some(id) = s.session_id {
+                        self.session_id = Some(id);
+                    }
+                }
+                Event::ConversationReset(_) => reset = true,
+                _ => {}
+            }
+        }
+    }
+
+    async fn next_event(&mut self) -> Result<Event, DriverError> {
+        loop {
+            let line = match self.lines.next_line().await {
+                Ok(Some(l)) => l,
+                Ok(None) => {
+                    let status = self
+                        .child
+                        .wait()
+                        .await
+                        .map(|s| s.to_string())
+                        .unwrap_or_else(|e| e.to_string());
+                    return Err(DriverError::Exited(status));
+                }
+                Err(e) => return Err(DriverError::Exited(e.to_string())),
+            };
+            match proto::parse_line(&line) {
+                Ok(Some(ev)) => return Ok(ev),
+                Ok(None) => {}
+                // One unreadable line never kills the session: count it and go on.
+                Err(e) => debug!(error = %e, "skipping an unreadable CLI line"),
+            }
+        }
+    }
+
+    async fn control(&mut self, subtype: &str) -> Result<String, DriverError> {
+        let id = format!("gw-{}", self.next_request);
+        self.next_request += 1;
+        self.write(&proto::control_line(&id, subtype)).await?;
+        Ok(id)
+    }
+
+    async fn write(&mut self, line: &str) -> Result<(), DriverError> {
+        self.stdin
+            .write_all(line.as_bytes())
+            .await
+            .map_err(DriverError::Write)?;
+        self.stdin.flush().await.map_err(DriverError::Write)
+    }
+}

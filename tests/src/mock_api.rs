@@ -1,0 +1,650 @@
+//! A local mock of the Messages API (`POST /v1/messages`), faithful where the gateway's
+//! measurements depend on it:
+//!
+//! - **Streaming**: server-sent events as the API sends them (`message_start` with the usage,
+//!   content blocks with deltas, `message_delta` with output tokens, `message_stop`).
+//! - **Prompt caching** by the published rules: the prompt is the sequence tools -> system ->
+//!   messages, one block each (string content counts as one text block); a read needs an exact
+//!   prefix match ending at a block that an earlier request wrote, found from any
+//!   `cache_control` marker looking back at most 20 blocks; writes happen only at markers and
+//!   only when the prefix reaches the minimum cacheable size; an entry lives 5 minutes (or 1 hour
+//!   with `ttl: "1h"`) after its last hit.
+//! - **Billing**: a deterministic token count (3 per block + a quarter of its bytes), usage
+//!   reported like the API (input, cache reads, writes by TTL, output) and a ledger entry per
+//!   request with its cost under [`session::cost::Prices`].
+//! - **Faults** on demand (HTTP 400 prompt too long, 529 overloaded, 500, delays), and a 400
+//!   when the prompt exceeds the context window.
+//! - **Virtual time**: [`MockApi::advance`] moves its clock, so hours of idle replay in seconds.
+//!
+//! Replies: the `StructuredOutput` tool is answered with the next scripted input
+//! ([`MockApi::script`]) or `{"say": []}`; without tools, a short text.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use session::cost::{Prices, Usage};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Blocks a lookup walks back from a marker.
+pub const LOOKBACK_BLOCKS: usize = 20;
+
+/// Mock settings.
+#[derive(Clone, Debug)]
+pub struct MockConfig {
+    /// Prefixes shorter than this are never written to the cache.
+    pub min_cacheable_tokens: u64,
+    /// Prompts longer than this get HTTP 400 prompt too long.
+    pub context_window: u64,
+    /// Prices for the ledger.
+    pub prices: Prices,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        Self {
+            min_cacheable_tokens: 1024,
+            context_window: 200_000,
+            prices: Prices::default(),
+        }
+    }
+}
+
+/// A failure to inject into the next request(s).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// HTTP 400 `invalid_request_error` "prompt is too long".
+    PromptTooLong,
+    /// HTTP 529 `overloaded_error`.
+    Overloaded,
+    /// HTTP 500 `api_error`.
+    ServerError,
+    /// Answer normally after this delay.
+    Delay(Duration),
+}
+
+/// One request as billed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LedgerEntry {
+    /// 1-based request number.
+    pub n: u64,
+    /// Virtual seconds since the mock started.
+    pub at: f64,
+    /// HTTP status answered.
+    pub status: u16,
+    /// Usage reported (zero for errors).
+    pub usage: Usage,
+    /// Its cost.
+    pub cost: f64,
+    /// Prompt size in tokens.
+    pub prompt_tokens: u64,
+    /// Text of the newest user message's last text block.
+    pub last_user_text: String,
+    /// The block hashes of the prompt, for prefix checks in tests.
+    pub block_hashes: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct CacheEntry {
+    expires: Instant,
+    ttl: Duration,
+}
+
+#[derive(Debug)]
+struct State {
+    cfg: MockConfig,
+    started: Instant,
+    offset: Duration,
+    cache: HashMap<u64, CacheEntry>,
+    ledger: Vec<LedgerEntry>,
+    faults: VecDeque<Fault>,
+    script: VecDeque<Value>,
+}
+
+impl State {
+    fn now(&self) -> Instant {
+        Instant::now() + self.offset
+    }
+}
+
+/// A running mock; stops when dropped.
+#[derive(Debug)]
+pub struct MockApi {
+    addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for MockApi {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl MockApi {
+    /// Starts on a loopback port.
+    pub async fn start(cfg: MockConfig) -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(State {
+            cfg,
+            started: Instant::now(),
+            offset: Duration::ZERO,
+            cache: HashMap::new(),
+            ledger: Vec::new(),
+            faults: VecDeque::new(),
+            script: VecDeque::new(),
+        }));
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let _ = serve(stream, st).await;
+                });
+            }
+        });
+        Ok(Self { addr, state, task })
+    }
+
+    /// `http://127.0.0.1:PORT`, for `ANTHROPIC_BASE_URL`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Moves the mock's clock forward (cache entries age).
+    pub fn advance(&self, d: Duration) {
+        self.lock().offset += d;
+    }
+
+    /// Every request so far.
+    pub fn ledger(&self) -> Vec<LedgerEntry> {
+        self.lock().ledger.clone()
+    }
+
+    /// Queues a fault for the next request.
+    pub fn inject(&self, f: Fault) {
+        self.lock().faults.push_back(f);
+    }
+
+    /// Queues the `StructuredOutput` input of a coming reply.
+    pub fn script(&self, input: Value) {
+        self.lock().script.push_back(input);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One HTTP/1.1 exchange per connection (answered with `Connection: close`).
+async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16384];
+    let head_end = loop {
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_owned())
+        })
+    };
+    let mut body = buf[head_end..].to_vec();
+    if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        while find(&body, b"0\r\n\r\n").is_none() {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+        body = dechunk(&body);
+    } else {
+        let len: usize = header("content-length")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        while body.len() < len {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+    }
+    if !head.starts_with("POST /v1/messages") {
+        return respond_json(
+            &mut stream,
+            404,
+            &json!({"type": "error", "error": {"type": "not_found_error", "message": "not found"}}),
+        )
+        .await;
+    }
+    let req: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return respond_json(&mut stream, 400, &json!({"type": "error", "error": {"type": "invalid_request_error", "message": e.to_string()}})).await;
+        }
+    };
+    let (delay, answer) = {
+        let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+        answer(&mut st, &req)
+    };
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
+    }
+    match answer {
+        Answer::Error(status, kind, message) => {
+            respond_json(
+                &mut stream,
+                status,
+                &json!({"type": "error", "error": {"type": kind, "message": message}}),
+            )
+            .await
+        }
+        Answer::Stream(events) => {
+            let mut out = String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n",
+            );
+            for e in events {
+                let kind = e["type"].as_str().unwrap_or("ping").to_owned();
+                out.push_str(&format!("event: {kind}\ndata: {e}\n\n"));
+            }
+            stream.write_all(out.as_bytes()).await?;
+            stream.shutdown().await
+        }
+    }
+}
+
+enum Answer {
+    Error(u16, &'static str, String),
+    Stream(Vec<Value>),
+}
+
+fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
+    let n = st.ledger.len() as u64 + 1;
+    let at = (st.now() - st.started).as_secs_f64();
+    let blocks = prompt_blocks(req);
+    let total: u64 = blocks.iter().map(|b| b.tokens).sum();
+    let last_user_text = last_user_text(req);
+    let hashes: Vec<u64> = blocks.iter().map(|b| b.prefix_hash).collect();
+    let mut delay = None;
+    let mut fault = st.faults.pop_front();
+    while let Some(Fault::Delay(d)) = fault {
+        delay = Some(d);
+        fault = st.faults.pop_front();
+    }
+    let error = match fault {
+        Some(Fault::PromptTooLong) => Some((
+            400,
+            "invalid_request_error",
+            format!(
+                "prompt is too long: {total} tokens > {} maximum",
+                st.cfg.context_window
+            ),
+        )),
+        Some(Fault::Overloaded) => Some((529, "overloaded_error", "Overloaded".to_owned())),
+        Some(Fault::ServerError) => Some((500, "api_error", "Internal server error".to_owned())),
+        _ if total > st.cfg.context_window => Some((
+            400,
+            "invalid_request_error",
+            format!(
+                "prompt is too long: {total} tokens > {} maximum",
+                st.cfg.context_window
+            ),
+        )),
+        _ => None,
+    };
+    if let Some((status, kind, message)) = error {
+        st.ledger.push(LedgerEntry {
+            n,
+            at,
+            status,
+            usage: Usage::default(),
+            cost: 0.0,
+            prompt_tokens: total,
+            last_user_text,
+            block_hashes: hashes,
+        });
+        return (delay, Answer::Error(status, kind, message));
+    }
+    let mut usage = cache(st, &blocks);
+    // The reply.
+    let structured = req["tools"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|t| t["name"] == "StructuredOutput"));
+    let model = req["model"].as_str().unwrap_or("mock").to_owned();
+    let mut events = Vec::new();
+    let (block_start, delta, stop, out_text) = if structured {
+        let input = st.script.pop_front().unwrap_or_else(|| json!({"say": []}));
+        let text = input.to_string();
+        (
+            json!({"type": "tool_use", "id": format!("toolu_mock_{n}"), "name": "StructuredOutput", "input": {}}),
+            json!({"type": "input_json_delta", "partial_json": text}),
+            "tool_use",
+            text,
+        )
+    } else {
+        let text = "ok".to_owned();
+        (
+            json!({"type": "text", "text": ""}),
+            json!({"type": "text_delta", "text": text}),
+            "end_turn",
+            text,
+        )
+    };
+    usage.output = 3 + out_text.len() as u64 / 4;
+    let cost = usage.cost(&st.cfg.prices);
+    events.push(json!({"type": "message_start", "message": {
+        "id": format!("msg_mock_{n}"), "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": null, "stop_sequence": null,
+        "usage": {
+            "input_tokens": usage.input,
+            "cache_creation_input_tokens": usage.cache_write_5m + usage.cache_write_1h,
+            "cache_read_input_tokens": usage.cache_read,
+            "cache_creation": {"ephemeral_5m_input_tokens": usage.cache_write_5m, "ephemeral_1h_input_tokens": usage.cache_write_1h},
+            "output_tokens": 1
+        }}}));
+    events.push(json!({"type": "content_block_start", "index": 0, "content_block": block_start}));
+    events.push(json!({"type": "content_block_delta", "index": 0, "delta": delta}));
+    events.push(json!({"type": "content_block_stop", "index": 0}));
+    events.push(json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}, "usage": {"output_tokens": usage.output}}));
+    events.push(json!({"type": "message_stop"}));
+    st.ledger.push(LedgerEntry {
+        n,
+        at,
+        status: 200,
+        usage,
+        cost,
+        prompt_tokens: total,
+        last_user_text,
+        block_hashes: hashes,
+    });
+    (delay, Answer::Stream(events))
+}
+
+/// One prompt block: its tokens, the hash of the prefix ending with it, its marker TTL.
+#[derive(Debug, Clone)]
+struct Block {
+    tokens: u64,
+    prefix_hash: u64,
+    marker: Option<Duration>,
+}
+
+fn prompt_blocks(req: &Value) -> Vec<Block> {
+    let mut raw: Vec<(String, Option<Duration>)> = Vec::new();
+    let marker = |b: &Value| {
+        b.get("cache_control").map(|cc| {
+            if cc["ttl"] == "1h" {
+                Duration::from_secs(3600)
+            } else {
+                Duration::from_secs(300)
+            }
+        })
+    };
+    let canon = |b: &Value| {
+        let mut b = b.clone();
+        if let Some(o) = b.as_object_mut() {
+            o.remove("cache_control");
+        }
+        b.to_string()
+    };
+    for t in req["tools"].as_array().into_iter().flatten() {
+        raw.push((format!("tool:{}", canon(t)), marker(t)));
+    }
+    match &req["system"] {
+        Value::String(s) => raw.push((
+            format!("system:{}", canon(&json!({"type": "text", "text": s}))),
+            None,
+        )),
+        Value::Array(a) => a
+            .iter()
+            .for_each(|b| raw.push((format!("system:{}", canon(b)), marker(b)))),
+        _ => {}
+    }
+    for m in req["messages"].as_array().into_iter().flatten() {
+        let role = m["role"].as_str().unwrap_or("?");
+        match &m["content"] {
+            // A string is the same prompt as one text block.
+            Value::String(s) => raw.push((
+                format!("{role}:{}", canon(&json!({"type": "text", "text": s}))),
+                None,
+            )),
+            Value::Array(a) => a
+                .iter()
+                .for_each(|b| raw.push((format!("{role}:{}", canon(b)), marker(b)))),
+            _ => {}
+        }
+    }
+    let mut h = DefaultHasher::new();
+    raw.into_iter()
+        .map(|(text, marker)| {
+            text.hash(&mut h);
+            Block {
+                tokens: 3 + text.len() as u64 / 4,
+                prefix_hash: h.finish(),
+                marker,
+            }
+        })
+        .collect()
+}
+
+/// Applies the cache rules to one prompt; returns its usage (output left at 0).
+fn cache(st: &mut State, blocks: &[Block]) -> Usage {
+    let now = st.now();
+    st.cache.retain(|_, e| e.expires > now);
+    let cum: Vec<u64> = blocks
+        .iter()
+        .scan(0u64, |acc, b| {
+            *acc += b.tokens;
+            Some(*acc)
+        })
+        .collect();
+    let markers: Vec<usize> = (0..blocks.len())
+        .filter(|&i| blocks[i].marker.is_some())
+        .collect();
+    // The longest hit reachable from any marker within the lookback.
+    let mut hit: Option<usize> = None;
+    for &m in &markers {
+        for p in (m.saturating_sub(LOOKBACK_BLOCKS - 1)..=m).rev() {
+            if st.cache.contains_key(&blocks[p].prefix_hash) {
+                hit = Some(hit.map_or(p, |h| h.max(p)));
+                break;
+            }
+        }
+    }
+    let read = hit.map_or(0, |p| cum[p]);
+    if let Some(p) = hit {
+        if let Some(e) = st.cache.get_mut(&blocks[p].prefix_hash) {
+            e.expires = now + e.ttl;
+        }
+    }
+    // Writes at each marker past the hit, each segment billed at its marker's TTL.
+    let mut usage = Usage {
+        cache_read: read,
+        ..Usage::default()
+    };
+    let mut written_to = read;
+    for &m in &markers {
+        if hit.is_some_and(|p| m <= p) || cum[m] < st.cfg.min_cacheable_tokens {
+            continue;
+        }
+        let ttl = blocks[m].marker.unwrap_or(Duration::from_secs(300));
+        let seg = cum[m] - written_to;
+        if ttl >= Duration::from_secs(3600) {
+            usage.cache_write_1h += seg;
+        } else {
+            usage.cache_write_5m += seg;
+        }
+        written_to = cum[m];
+        st.cache.insert(
+            blocks[m].prefix_hash,
+            CacheEntry {
+                expires: now + ttl,
+                ttl,
+            },
+        );
+    }
+    usage.input = cum.last().copied().unwrap_or(0) - written_to;
+    usage
+}
+
+fn last_user_text(req: &Value) -> String {
+    let Some(m) = req["messages"]
+        .as_array()
+        .and_then(|ms| ms.iter().rev().find(|m| m["role"] == "user"))
+    else {
+        return String::new();
+    };
+    match &m["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(a) => a
+            .iter()
+            .rev()
+            .find_map(|b| b["text"].as_str())
+            .unwrap_or("")
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+async fn respond_json(stream: &mut TcpStream, status: u16, body: &Value) -> std::io::Result<()> {
+    let text = body.to_string();
+    let reason = match status {
+        400 => "Bad Request",
+        404 => "Not Found",
+        500 => "Internal Server Error",
+        529 => "Overloaded",
+        _ => "Error",
+    };
+    let out = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+        text.len()
+    );
+    stream.write_all(out.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn dechunk(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut rest = body;
+    while let Some(i) = find(rest, b"\r\n") {
+        let size =
+            usize::from_str_radix(String::from_utf8_lossy(&rest[..i]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        let start = i + 2;
+        let end = (start + size).min(rest.len());
+        out.extend_from_slice(&rest[start..end]);
+        rest = &rest[(end + 2).min(rest.len())..];
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(system: &str, turns: &[&str]) -> Value {
+        let mut messages = Vec::new();
+        for (i, t) in turns.iter().enumerate() {
+            if i + 1 == turns.len() {
+                messages.push(json!({"role": "user", "content": [{"type": "text", "text": t, "cache_control": {"type": "ephemeral"}}]}));
+            } else {
+                messages.push(json!({"role": "user", "content": t}));
+                messages.push(
+                    json!({"role": "assistant", "content": [{"type": "text", "text": "ok"}]}),
+                );
+            }
+        }
+        json!({"model": "m", "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}], "messages": messages})
+    }
+
+    fn state() -> State {
+        State {
+            cfg: MockConfig::default(),
+            started: Instant::now(),
+            offset: Duration::ZERO,
+            cache: HashMap::new(),
+            ledger: Vec::new(),
+            faults: VecDeque::new(),
+            script: VecDeque::new(),
+        }
+    }
+
+    #[test]
+    fn caching_rules() {
+        let mut st = state();
+        let sys = "s".repeat(20_000);
+        let u1 = cache(&mut st, &prompt_blocks(&req(&sys, &["one"])));
+        assert_eq!(u1.cache_read, 0);
+        assert!(u1.cache_write_5m > 5000 && u1.input == 0, "{u1:?}");
+        // Turn two: the old newest message became a plain string; same prompt, so a hit.
+        let u2 = cache(&mut st, &prompt_blocks(&req(&sys, &["one", "two"])));
+        assert_eq!(u2.cache_read, u1.cache_write_5m, "{u2:?}");
+        assert!(u2.cache_write_5m > 0 && u2.cache_write_5m < 100, "{u2:?}");
+        // After the TTL, nothing is left to read.
+        st.offset += Duration::from_secs(301);
+        let u3 = cache(
+            &mut st,
+            &prompt_blocks(&req(&sys, &["one", "two", "three"])),
+        );
+        assert_eq!(u3.cache_read, 0);
+        // A changed system prompt misses.
+        let u4 = cache(
+            &mut st,
+            &prompt_blocks(&req(&format!("{sys}!"), &["one", "two", "three"])),
+        );
+        assert_eq!(u4.cache_read, 0);
+        // Below the minimum size: no write at all.
+        let mut st = state();
+        let small = cache(&mut st, &prompt_blocks(&req("tiny", &["hi"])));
+        assert_eq!((small.cache_write_5m, small.cache_read), (0, 0));
+        assert!(small.input > 0);
+    }
+
+    #[test]
+    fn lookback_is_twenty_blocks() {
+        let mut st = state();
+        let sys = "s".repeat(20_000);
+        let many: Vec<String> = (0..30).map(|i| format!("m{i}")).collect();
+        let refs: Vec<&str> = many.iter().map(|s| s.as_str()).collect();
+        cache(&mut st, &prompt_blocks(&req(&sys, &refs[..1])));
+        // 29 turns later the newest marker is ~58 blocks past the last write: only the system
+        // prompt's own marker still reaches an entry.
+        let u = cache(&mut st, &prompt_blocks(&req(&sys, &refs)));
+        let sys_tokens = prompt_blocks(&req(&sys, &refs[..1]))[0].tokens;
+        assert_eq!(u.cache_read, sys_tokens);
+    }
+
+    #[test]
+    fn one_hour_markers_bill_as_one_hour_writes() {
+        let mut st = state();
+        let mut r = req(&"s".repeat(20_000), &["a"]);
+        r["system"][0]["cache_control"] = json!({"type": "ephemeral", "ttl": "1h"});
+        let u = cache(&mut st, &prompt_blocks(&r));
+        assert!(u.cache_write_1h > 5000 && u.cache_write_5m < 20, "{u:?}");
+        st.offset += Duration::from_secs(1800);
+        let u2 = cache(&mut st, &prompt_blocks(&r));
+        assert_eq!(u2.cache_read, u.cache_write_1h);
+    }
+}

@@ -1,0 +1,154 @@
+//! The real claude CLI (pinned, installed by deploy/install-claude-cli.sh) driven by
+//! `session::driver` against the mock Messages API.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::json;
+use session::cost::Ttl;
+use session::driver::{Cli, CliConfig};
+use session::render::{render, reply_schema, validate, Seen};
+use tests::mock_api::{MockApi, MockConfig};
+use wire::docs::Delivery;
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// ~24k tokens of doctrine (the mock counts a quarter token per byte).
+fn doctrine(dir: &std::path::Path) -> PathBuf {
+    let mut text = String::from(
+        "You are Mira, a persona in the CultNet swarm. Reply with the StructuredOutput tool.\n",
+    );
+    for i in 0..1500 {
+        text.push_str(&format!(
+            "Doctrine clause {i}: be kind, be brief, and answer only in your rooms.\n"
+        ));
+    }
+    let path = dir.join("doctrine.md");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn config(mock: &MockApi, dir: &std::path::Path) -> CliConfig {
+    CliConfig {
+        exe: tests::claude_cli::executable(),
+        model: "claude-sonnet-4-6".into(),
+        system_prompt_file: doctrine(dir),
+        json_schema: reply_schema(),
+        config_dir: dir.join("config"),
+        work_dir: dir.join("work"),
+        api_base_url: mock.url(),
+        api_key: "mock-key".into(),
+        cache_ttl: Ttl::OneHour,
+        thinking: false,
+        session_id: None,
+        resume: false,
+        system_prompt_changed: false,
+        turn_timeout: Duration::from_secs(60),
+        grace: Duration::from_secs(10),
+    }
+}
+
+fn delivery(seq: u64, text: &str) -> Delivery {
+    Delivery {
+        seq,
+        persona: "mira".into(),
+        room_id: "!lobby:localhost".into(),
+        event_id: format!("$e{seq}"),
+        sender: "@alice:localhost".into(),
+        sender_name: Some("alice".into()),
+        ts: seq as i64,
+        text: text.into(),
+        to_you: true,
+        ..Delivery::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_batches_are_fifty_turns_of_one_warm_process() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("fifty");
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let pid = cli.pid();
+    let mut seen = Seen::default();
+    for i in 1..=50u64 {
+        mock.script(json!({"say": [{"room": "!lobby:localhost", "text": format!("reply {i}")}]}));
+        let text = render(&[delivery(i, &format!("message {i}"))], &mut seen, None);
+        let turn = cli.turn(&text).await.expect("turn");
+        assert!(!turn.result.is_error, "turn {i}: {:?}", turn.result);
+        let reply = validate(
+            turn.result.structured_output.as_ref(),
+            &["!lobby:localhost"],
+        )
+        .expect("reply");
+        assert_eq!(reply.say[0].text, format!("reply {i}"));
+    }
+    assert_eq!(cli.pid(), pid, "one process for all turns");
+    let ledger = mock.ledger();
+    assert_eq!(ledger.len(), 50, "one API request per turn");
+    for e in &ledger[1..] {
+        let ratio = e.usage.cache_read as f64 / e.prompt_tokens as f64;
+        assert!(
+            ratio >= 0.95,
+            "request {}: only {:.3} of input read from cache ({:?})",
+            e.n,
+            ratio,
+            e.usage
+        );
+    }
+    let total: f64 = ledger.iter().map(|e| e.cost).sum();
+    eprintln!(
+        "50 turns: ${total:.4} billed by the mock; turn 50 read {:.1}% from cache",
+        100.0 * ledger[49].usage.cache_read as f64 / ledger[49].prompt_tokens as f64
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slash_commands_in_chat_reach_the_model_as_text() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("slash");
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    let first = cli
+        .turn(&render(&[delivery(1, "hello")], &mut seen, None))
+        .await
+        .unwrap();
+    let session = cli.session_id().map(str::to_owned);
+    for (seq, evil) in [(2, "/clear"), (3, "/compact")] {
+        let turn = cli
+            .turn(&render(&[delivery(seq, evil)], &mut seen, None))
+            .await
+            .unwrap();
+        assert!(!turn.reset, "{evil} reset the conversation");
+        assert!(!turn.result.is_error, "{evil}: {:?}", turn.result);
+        assert_eq!(
+            cli.session_id().map(str::to_owned),
+            session,
+            "{evil} changed the session"
+        );
+        let sent = mock.ledger().last().unwrap().last_user_text.clone();
+        assert!(
+            sent.contains(evil) && sent.starts_with("[cultnet batch"),
+            "{evil} not sent as text: {sent:?}"
+        );
+    }
+    // Nothing was wiped: the history still holds the first turn, read from the cache.
+    let last = mock.ledger().last().unwrap().clone();
+    assert!(last.usage.cache_read > 20_000, "{:?}", last.usage);
+    assert_eq!(mock.ledger().len(), 3);
+    assert!(first.result.session_id.is_some());
+    // Control: the same text sent raw, without the batch header, IS run as a command, and the
+    // driver sees the reset. This is what the rendering protects against.
+    let raw = cli.turn("/clear").await.unwrap();
+    assert!(
+        raw.reset,
+        "a raw /clear did not reset: the check above could not fail"
+    );
+    assert_eq!(mock.ledger().len(), 3, "/clear makes no API call");
+    cli.shutdown(Duration::from_secs(5)).await;
+}
