@@ -52,6 +52,9 @@ pub struct CliConfig {
     pub resume: bool,
     /// On resume, use the current system prompt file instead of the recorded one.
     pub system_prompt_changed: bool,
+    /// Cap on the CLI's own API retries (`CLAUDE_CODE_MAX_RETRIES`; its default of 10 takes
+    /// about 3 minutes of backoff).
+    pub max_retries: Option<u32>,
     /// Longest a turn may run before it is interrupted.
     pub turn_timeout: Duration,
     /// Wait this long for the interrupted turn's result, or for readiness, before killing.
@@ -157,6 +160,9 @@ impl Cli {
         }
         if !cfg.thinking {
             cmd.env("MAX_THINKING_TOKENS", "0");
+        }
+        if let Some(n) = cfg.max_retries {
+            cmd.env("CLAUDE_CODE_MAX_RETRIES", n.to_string());
         }
         cmd.current_dir(&cfg.work_dir)
             .stdin(Stdio::piped())

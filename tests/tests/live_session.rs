@@ -7,8 +7,9 @@ use std::time::Duration;
 use serde_json::json;
 use session::cost::Ttl;
 use session::driver::{Cli, CliConfig};
+use session::policy::Outcome;
 use session::render::{render, reply_schema, validate, Seen};
-use tests::mock_api::{MockApi, MockConfig};
+use tests::mock_api::{Fault, MockApi, MockConfig};
 use wire::docs::Delivery;
 
 fn scratch(name: &str) -> PathBuf {
@@ -48,6 +49,7 @@ fn config(mock: &MockApi, dir: &std::path::Path) -> CliConfig {
         session_id: None,
         resume: false,
         system_prompt_changed: false,
+        max_retries: Some(1),
         turn_timeout: Duration::from_secs(60),
         grace: Duration::from_secs(10),
     }
@@ -150,5 +152,168 @@ async fn slash_commands_in_chat_reach_the_model_as_text() {
         "a raw /clear did not reset: the check above could not fail"
     );
     assert_eq!(mock.ledger().len(), 3, "/clear makes no API call");
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
+/// A new session id in UUID form (the CLI insists on one).
+fn new_session_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let x = t ^ ((std::process::id() as u128) << 64);
+    let h = format!("{x:032x}");
+    format!(
+        "{}-{}-4{}-8{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_process_resumes_the_same_session_from_cache() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("resume");
+    let id = new_session_id();
+    let mut cfg = config(&mock, &dir);
+    cfg.session_id = Some(id.clone());
+    let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    for i in 1..=3 {
+        cli.turn(&render(
+            &[delivery(i, &format!("before restart {i}"))],
+            &mut seen,
+            None,
+        ))
+        .await
+        .unwrap();
+    }
+    assert_eq!(cli.session_id(), Some(id.as_str()));
+    cli.shutdown(Duration::from_secs(5)).await;
+    let before = mock.ledger().last().unwrap().clone();
+    cfg.resume = true;
+    let mut cli = Cli::spawn(cfg).await.expect("resumed CLI ready");
+    let turn = cli
+        .turn(&render(&[delivery(4, "after restart")], &mut seen, None))
+        .await
+        .unwrap();
+    assert!(!turn.result.is_error, "{:?}", turn.result);
+    assert_eq!(
+        cli.session_id(),
+        Some(id.as_str()),
+        "resume kept the session id"
+    );
+    let after = mock.ledger().last().unwrap().clone();
+    // The old conversation is the new request's prefix, and it is read from the cache.
+    let shared = before
+        .block_hashes
+        .iter()
+        .zip(&after.block_hashes)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        shared + 1 >= before.block_hashes.len(),
+        "only {shared} of {} blocks shared",
+        before.block_hashes.len()
+    );
+    assert!(
+        after.usage.cache_read as f64 >= 0.9 * before.prompt_tokens as f64,
+        "{:?}",
+        after.usage
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_killed_mid_turn_is_resumed_and_the_batch_retried() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("kill");
+    let id = new_session_id();
+    let mut cfg = config(&mock, &dir);
+    cfg.session_id = Some(id.clone());
+    let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    cli.turn(&render(&[delivery(1, "first")], &mut seen, None))
+        .await
+        .unwrap();
+    // The next request hangs in the mock; the process is killed while it waits.
+    mock.inject(Fault::Delay(Duration::from_secs(30)));
+    let pid = cli.pid().unwrap();
+    let killer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status();
+    });
+    let batch = render(&[delivery(2, "second")], &mut Seen::default(), None);
+    let err = cli
+        .turn(&batch)
+        .await
+        .expect_err("the turn must fail when the CLI dies");
+    assert!(
+        matches!(err, session::driver::DriverError::Exited(_)),
+        "{err}"
+    );
+    killer.await.unwrap();
+    cfg.resume = true;
+    let mut cli = Cli::spawn(cfg).await.expect("resumed after the kill");
+    mock.script(json!({"say": [{"room": "!lobby:localhost", "text": "answer to second"}]}));
+    let turn = cli.turn(&batch).await.unwrap();
+    assert!(!turn.result.is_error, "{:?}", turn.result);
+    assert_eq!(
+        turn.result.structured_output.as_ref().unwrap()["say"][0]["text"],
+        "answer to second"
+    );
+    assert_eq!(cli.session_id(), Some(id.as_str()));
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("errors");
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let pid = cli.pid();
+    let mut seen = Seen::default();
+    cli.turn(&render(&[delivery(1, "warm up")], &mut seen, None))
+        .await
+        .unwrap();
+    // With one retry allowed: a 400 is not retried (one request), 529 and 500 are (two).
+    for (seq, fault, attempts, outcome) in [
+        (2, Fault::PromptTooLong, 1, Outcome::PromptTooLong),
+        (3, Fault::Overloaded, 2, Outcome::ApiError),
+        (4, Fault::ServerError, 2, Outcome::ApiError),
+    ] {
+        let before = mock.ledger().len();
+        for _ in 0..attempts {
+            mock.inject(fault.clone());
+        }
+        let turn = cli
+            .turn(&render(&[delivery(seq, "hello")], &mut seen, None))
+            .await
+            .unwrap();
+        assert!(turn.result.is_error, "{fault:?}: {:?}", turn.result);
+        assert_eq!(turn.result.outcome(), outcome, "{fault:?}");
+        assert_eq!(
+            mock.ledger().len() - before,
+            attempts,
+            "{fault:?}: requests made"
+        );
+        assert_eq!(
+            turn.retries as usize,
+            attempts - 1,
+            "{fault:?}: api_retry events"
+        );
+        assert_eq!(cli.pid(), pid, "{fault:?} killed the process");
+        // The session goes on: the next turn succeeds in the same process.
+        let next = cli
+            .turn(&render(&[delivery(seq + 10, "again")], &mut seen, None))
+            .await
+            .unwrap();
+        assert!(!next.result.is_error, "after {fault:?}: {:?}", next.result);
+    }
     cli.shutdown(Duration::from_secs(5)).await;
 }
