@@ -98,6 +98,94 @@ pub struct Turn {
     pub reset: bool,
 }
 
+/// The command line and environment every CLI run shares (see the module docs).
+fn command(cfg: &CliConfig) -> Command {
+    let mut cmd = Command::new(&cfg.exe);
+    cmd.args([
+        "-p",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--bare",
+    ])
+    .arg("--model")
+    .arg(&cfg.model)
+    .arg("--system-prompt-file")
+    .arg(&cfg.system_prompt_file)
+    .arg("--json-schema")
+    .arg(&cfg.json_schema)
+    .args([
+        "--tools",
+        "",
+        "--settings",
+        r#"{"autoCompactEnabled":false}"#,
+    ]);
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &cfg.config_dir)
+        .env("CLAUDE_CONFIG_DIR", &cfg.config_dir)
+        .env("ANTHROPIC_BASE_URL", &cfg.api_base_url)
+        .env("ANTHROPIC_API_KEY", &cfg.api_key)
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .env("DISABLE_TELEMETRY", "1")
+        .env("DISABLE_ERROR_REPORTING", "1")
+        .env("DISABLE_AUTOUPDATER", "1")
+        .env("DISABLE_AUTO_COMPACT", "1");
+    if cfg.cache_ttl == Ttl::OneHour {
+        cmd.env("CLAUDE_CODE_PROMPT_CACHE_TTL", "1h");
+    }
+    if !cfg.thinking {
+        cmd.env("MAX_THINKING_TOKENS", "0");
+    }
+    if let Some(n) = cfg.max_retries {
+        cmd.env("CLAUDE_CODE_MAX_RETRIES", n.to_string());
+    }
+    cmd.current_dir(&cfg.work_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Keep-warm: one forked, unpersisted request on `session_id` (`--resume <id> --fork-session
+/// --no-session-persistence`). It repeats the session's history byte for byte, so it reads and
+/// refreshes the cache entry, and leaves the session's transcript untouched.
+pub async fn refresh_fork(cfg: &CliConfig, session_id: &str) -> Result<ResultEvent, DriverError> {
+    let mut cmd = command(cfg);
+    cmd.arg("--resume")
+        .arg(session_id)
+        .args([
+            "--fork-session",
+            "--no-session-persistence",
+            "keep-warm ping",
+        ])
+        .stdin(Stdio::null());
+    let out = tokio::time::timeout(cfg.turn_timeout, cmd.output())
+        .await
+        .map_err(|_| DriverError::TimedOut(cfg.turn_timeout))?
+        .map_err(|source| DriverError::Spawn {
+            exe: cfg.exe.clone(),
+            source,
+        })?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| proto::parse_line(l).ok().flatten())
+        .find_map(|e| {
+            if let Event::Result(r) = e {
+                Some(r)
+            } else {
+                None
+            }
+        })
+        .ok_or_else(|| {
+            DriverError::Exited(format!(
+                "keep-warm run ended without a result ({})",
+                out.status
+            ))
+        })
+}
+
 /// A running CLI process.
 #[derive(Debug)]
 pub struct Cli {
@@ -112,28 +200,8 @@ pub struct Cli {
 impl Cli {
     /// Spawns the CLI and waits until it answers `initialize`.
     pub async fn spawn(cfg: CliConfig) -> Result<Self, DriverError> {
-        let mut cmd = Command::new(&cfg.exe);
-        cmd.args([
-            "-p",
-            "--input-format",
-            "stream-json",
-            "--output-format",
-            "stream-json",
-            "--verbose",
-            "--bare",
-        ])
-        .arg("--model")
-        .arg(&cfg.model)
-        .arg("--system-prompt-file")
-        .arg(&cfg.system_prompt_file)
-        .arg("--json-schema")
-        .arg(&cfg.json_schema)
-        .args([
-            "--tools",
-            "",
-            "--settings",
-            r#"{"autoCompactEnabled":false}"#,
-        ]);
+        let mut cmd = command(&cfg);
+        cmd.args(["--input-format", "stream-json"]);
         if let Some(id) = &cfg.session_id {
             if cfg.resume {
                 cmd.arg("--resume").arg(id);
@@ -144,31 +212,6 @@ impl Cli {
                 cmd.arg("--session-id").arg(id);
             }
         }
-        cmd.env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", &cfg.config_dir)
-            .env("CLAUDE_CONFIG_DIR", &cfg.config_dir)
-            .env("ANTHROPIC_BASE_URL", &cfg.api_base_url)
-            .env("ANTHROPIC_API_KEY", &cfg.api_key)
-            .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-            .env("DISABLE_TELEMETRY", "1")
-            .env("DISABLE_ERROR_REPORTING", "1")
-            .env("DISABLE_AUTOUPDATER", "1")
-            .env("DISABLE_AUTO_COMPACT", "1");
-        if cfg.cache_ttl == Ttl::OneHour {
-            cmd.env("CLAUDE_CODE_PROMPT_CACHE_TTL", "1h");
-        }
-        if !cfg.thinking {
-            cmd.env("MAX_THINKING_TOKENS", "0");
-        }
-        if let Some(n) = cfg.max_retries {
-            cmd.env("CLAUDE_CODE_MAX_RETRIES", n.to_string());
-        }
-        cmd.current_dir(&cfg.work_dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true);
         let spawn_err = |source| DriverError::Spawn {
             exe: cfg.exe.clone(),
             source,
