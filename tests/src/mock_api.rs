@@ -288,25 +288,19 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
         delay = Some(d);
         fault = st.faults.pop_front();
     }
+    let too_long = (
+        400,
+        "invalid_request_error",
+        format!(
+            "prompt is too long: {total} tokens > {} maximum",
+            st.cfg.context_window
+        ),
+    );
     let error = match fault {
-        Some(Fault::PromptTooLong) => Some((
-            400,
-            "invalid_request_error",
-            format!(
-                "prompt is too long: {total} tokens > {} maximum",
-                st.cfg.context_window
-            ),
-        )),
+        Some(Fault::PromptTooLong) => Some(too_long),
         Some(Fault::Overloaded) => Some((529, "overloaded_error", "Overloaded".to_owned())),
         Some(Fault::ServerError) => Some((500, "api_error", "Internal server error".to_owned())),
-        _ if total > st.cfg.context_window => Some((
-            400,
-            "invalid_request_error",
-            format!(
-                "prompt is too long: {total} tokens > {} maximum",
-                st.cfg.context_window
-            ),
-        )),
+        _ if total > st.cfg.context_window => Some(too_long),
         _ => None,
     };
     if let Some((status, kind, message)) = error {

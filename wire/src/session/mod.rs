@@ -750,17 +750,7 @@ impl Session {
         if !self.ack_now {
             // Pending in-order acks wait for their deadline or count.
         } else if let Some((ack, mask)) = self.recv.next_ack() {
-            let sequence = self.unreliable_seq();
-            self.encode(
-                buf,
-                PacketType::Ack,
-                0,
-                sequence,
-                (ack, mask),
-                Fragment::default(),
-                CONTROL_CHANNEL,
-                &[],
-            );
+            self.encode_ack(buf, ack, mask);
             self.sent(now);
             return true;
         }
@@ -1271,10 +1261,16 @@ impl Session {
 
     /// Queues an explicit Ack naming `ack` (already taken off the pending list).
     fn push_ack(&mut self, ack: u32, mask: u32) {
-        let sequence = self.unreliable_seq();
         let mut bytes = Vec::with_capacity(packet::FIXED_HEADER_LEN + CONTROL_CHANNEL.len());
+        self.encode_ack(&mut bytes, ack, mask);
+        self.control.push_back(bytes);
+    }
+
+    /// Appends an explicit Ack naming `ack` to `buf`.
+    fn encode_ack(&mut self, buf: &mut Vec<u8>, ack: u32, mask: u32) {
+        let sequence = self.unreliable_seq();
         self.encode(
-            &mut bytes,
+            buf,
             PacketType::Ack,
             0,
             sequence,
@@ -1283,7 +1279,6 @@ impl Session {
             CONTROL_CHANNEL,
             &[],
         );
-        self.control.push_back(bytes);
     }
 
     fn push_control(&mut self, ptype: PacketType, payload: &[u8]) {

@@ -366,6 +366,30 @@ fn accept_that_does_not_ack_our_connect_is_ignored() {
     assert!(!hub.session(server).unwrap().is_connected());
 }
 
+/// A packet as an arbitrary (possibly older-rules) peer would send it: Data on `schema`,
+/// everything else on `control`, no acks.
+fn raw(conn: u32, ptype: PacketType, flags: u8, seq: u32, payload: &[u8]) -> Vec<u8> {
+    let mut b = Vec::new();
+    Packet {
+        ptype,
+        flags: Flags(flags),
+        connection_id: conn,
+        sequence: seq,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel: if ptype == PacketType::Data {
+            "schema"
+        } else {
+            "control"
+        },
+        payload,
+    }
+    .encode(&mut b)
+    .unwrap();
+    b
+}
+
 fn frag_packet(conn: u32, seq: u32, id: u16, index: u16, count: u16, body: &[u8]) -> Vec<u8> {
     let mut b = Vec::new();
     Packet {
@@ -526,27 +550,7 @@ fn older_peer_lost_ack_hole_is_skipped() {
     c.session.legacy_hole_timeout = Duration::from_millis(500);
     c.session.silence_timeout = None;
     let (mut hub, peer, conn, now) = server_with_client(c);
-    let mk = |ptype: PacketType, flags: u8, seq: u32, payload: &[u8]| {
-        let mut b = Vec::new();
-        Packet {
-            ptype,
-            flags: Flags(flags),
-            connection_id: conn,
-            sequence: seq,
-            ack: 0,
-            ack_mask: 0,
-            fragment: Fragment::default(),
-            channel: if ptype == PacketType::Data {
-                "schema"
-            } else {
-                "control"
-            },
-            payload,
-        }
-        .encode(&mut b)
-        .unwrap();
-        b
-    };
+    let mk = |ptype, flags, seq, payload: &[u8]| raw(conn, ptype, flags, seq, payload);
     // Older peer: its ack takes 1001; the ping at 1002 is lost; data 1003 must not wait forever.
     hub.handle(now, peer, &mk(PacketType::Ack, 0, 1001, b""));
     hub.handle(now, peer, &mk(PacketType::Data, 3, 1003, b"hello"));
@@ -601,27 +605,7 @@ fn frame_arriving_for_a_skipped_hole_is_delivered_late_not_dropped() {
     let mut c = cfg();
     c.session.silence_timeout = None;
     let (mut hub, peer, conn, now) = server_with_client(c);
-    let mk = |ptype: PacketType, flags: u8, seq: u32, payload: &[u8]| {
-        let mut b = Vec::new();
-        Packet {
-            ptype,
-            flags: Flags(flags),
-            connection_id: conn,
-            sequence: seq,
-            ack: 0,
-            ack_mask: 0,
-            fragment: Fragment::default(),
-            channel: if ptype == PacketType::Data {
-                "schema"
-            } else {
-                "control"
-            },
-            payload,
-        }
-        .encode(&mut b)
-        .unwrap();
-        b
-    };
+    let mk = |ptype, flags, seq, payload: &[u8]| raw(conn, ptype, flags, seq, payload);
     hub.handle(now, peer, &mk(PacketType::Ack, 0, 1001, b""));
     hub.handle(now, peer, &mk(PacketType::Data, 3, 1003, b"second"));
     hub.handle_timeout(now + Duration::from_secs(2));
