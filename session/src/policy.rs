@@ -64,6 +64,17 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Defaults for a cache TTL. Keep-warm is on only with the 1-hour TTL: on the reference
+    /// workload it paid there (slightly) and cost more than it saved with 5 minutes, where most
+    /// gaps outlast the refreshes the ski-rental bound allows (README, session benchmark).
+    pub fn for_ttl(ttl: Ttl) -> Self {
+        Self {
+            ttl,
+            keep_warm: ttl == Ttl::OneHour,
+            ..Self::default()
+        }
+    }
+
     /// Where the CLI starts refusing turns.
     pub fn blocking_limit(&self) -> u64 {
         self.context_window.saturating_sub(self.blocking_margin)

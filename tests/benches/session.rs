@@ -19,8 +19,22 @@ use session::render::{render, reply_schema, Seen};
 use tests::mock_api::{MockApi, MockConfig};
 use wire::docs::{ContextLine, Delivery};
 
+/// What the offline optimum needs about one turn of a live replay.
+#[derive(Clone, Copy)]
+struct Step {
+    /// Seconds since the previous turn (or refresh) touched the cache.
+    idle: u64,
+    /// Tokens this turn added to the conversation (batch, reply).
+    growth: u64,
+    /// What a fresh start would have sent at this turn.
+    rehydration: u64,
+    /// Whether the replay restarted here.
+    restarted: bool,
+}
+
 struct Report {
     label: String,
+    steps: Vec<Step>,
     turns: usize,
     cost: f64,
     prompt_tokens: u64,
@@ -150,10 +164,12 @@ fn summarize(
     evictions: usize,
     overhead: Vec<Duration>,
     turns: usize,
+    steps: Vec<Step>,
 ) -> Report {
     let ledger = mock.ledger();
     Report {
         label,
+        steps,
         turns,
         cost: ledger.iter().map(|e| e.cost).sum(),
         prompt_tokens: ledger.iter().map(|e| e.usage.prompt_tokens()).sum(),
@@ -197,6 +213,8 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
     let (mut restarts, mut kw, mut ev, mut overhead) = (BTreeMap::new(), 0, 0, Vec::new());
     let mut seq = 0u64;
     let mut n_sessions = 0u64;
+    let mut steps = Vec::new();
+    let mut last_touch_off = Duration::ZERO;
     for (i, batch) in w["batches"]
         .as_array()
         .into_iter()
@@ -230,6 +248,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
                     let spent: f64 = mock.ledger()[before..].iter().map(|e| e.cost).sum();
                     t.keep_warm_cost += spent;
                     t.last_cache_touch = Some(origin + offset);
+                    last_touch_off = offset;
                     kw += 1;
                 }
                 Decision::Evict => {
@@ -295,6 +314,19 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
         );
         let last = mock.ledger().last().cloned().expect("a request");
         let u = last.usage;
+        let growth =
+            (u.prompt_tokens() + u.output).saturating_sub(if fresh { 0 } else { t.prefix_tokens });
+        steps.push(Step {
+            idle: (offset - last_touch_off).as_secs(),
+            growth: if fresh {
+                growth.saturating_sub(t.rehydration_tokens)
+            } else {
+                growth
+            },
+            rehydration: t.rehydration_tokens,
+            restarted: fresh,
+        });
+        last_touch_off = offset;
         t.prefix_tokens = u.prompt_tokens() + u.output;
         t.excess_read_cost += Prices::dollars(
             u.cache_read.saturating_sub(t.rehydration_tokens),
@@ -320,7 +352,57 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
         "live, TTL {ttl:?}{}",
         if keep_warm { ", keep-warm" } else { "" }
     );
-    summarize(label, &mock, restarts, kw, ev, overhead, batches)
+    summarize(label, &mock, restarts, kw, ev, overhead, batches, steps)
+}
+
+/// Model cost of serving `steps` with restarts exactly where `restart[i]` says (restart before
+/// turn i: write the rehydration; otherwise read the prefix if the cache is warm, rewrite it
+/// if it expired), plus writing each turn's growth.
+fn model_cost(steps: &[Step], restart: &[bool], ttl: Ttl, p: &Prices) -> f64 {
+    let w = p.write(ttl);
+    let mut prefix = 0u64;
+    let mut cost = 0.0;
+    for (i, s) in steps.iter().enumerate() {
+        if i == 0 || restart[i] {
+            cost += Prices::dollars(s.rehydration, w);
+            prefix = s.rehydration;
+        } else if s.idle >= ttl.duration().as_secs() {
+            cost += Prices::dollars(prefix, w);
+        } else {
+            cost += Prices::dollars(prefix, p.cache_read);
+        }
+        cost += Prices::dollars(s.growth, w);
+        prefix += s.growth;
+    }
+    cost
+}
+
+/// The cheapest restart schedule in hindsight for the same steps (dynamic programming over
+/// the last restart point), under the same model.
+fn optimal_cost(steps: &[Step], ttl: Ttl, p: &Prices) -> f64 {
+    let n = steps.len();
+    let w = p.write(ttl);
+    let mut best = vec![f64::INFINITY; n + 1];
+    best[0] = 0.0;
+    for k in 1..=n {
+        for j in 0..k {
+            let mut cost = best[j] + Prices::dollars(steps[j].rehydration, w);
+            let mut prefix = steps[j].rehydration;
+            for s in &steps[j..k] {
+                if !std::ptr::eq(s, &steps[j]) {
+                    cost += if s.idle >= ttl.duration().as_secs() {
+                        Prices::dollars(prefix, w)
+                    } else {
+                        Prices::dollars(prefix, p.cache_read)
+                    };
+                }
+                cost += Prices::dollars(s.growth, w);
+                prefix += s.growth;
+            }
+            best[k] = best[k].min(cost);
+        }
+    }
+    best[n]
 }
 
 async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
@@ -378,6 +460,7 @@ async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
         0,
         overhead,
         batches,
+        Vec::new(),
     )
 }
 
@@ -393,6 +476,22 @@ fn print(r: &Report, baseline: Option<&Report>) {
         "{:32} ${:.5}/turn ({ratio}); cache hit {:.1}% of prompt tokens; restarts {:?}; keep-warm {}; evictions {}; gateway work per turn p50 {:.0} us",
         r.label, per_turn, 100.0 * r.cache_read as f64 / r.prompt_tokens.max(1) as f64, r.restarts, r.keep_warm, r.evictions, p50.as_secs_f64() * 1e6
     );
+    if !r.steps.is_empty() {
+        let ttl = if r.label.contains("OneHour") {
+            Ttl::OneHour
+        } else {
+            Ttl::FiveMinutes
+        };
+        let p = Prices::default();
+        let chosen: Vec<bool> = r.steps.iter().map(|s| s.restarted).collect();
+        let ours = model_cost(&r.steps, &chosen, ttl, &p);
+        let best = optimal_cost(&r.steps, ttl, &p);
+        println!(
+            "{:32} restart schedule vs hindsight optimum (same model, keep-warm aside): {:.3}x",
+            "",
+            ours / best
+        );
+    }
 }
 
 fn main() {

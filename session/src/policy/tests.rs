@@ -305,3 +305,13 @@ fn ski_rental_on_the_reference_trace() {
         "ratio {ratio}, restarts {restarts}"
     );
 }
+
+#[test]
+fn keep_warm_defaults_follow_the_benchmark() {
+    assert!(PolicyConfig::for_ttl(Ttl::OneHour).keep_warm);
+    assert!(!PolicyConfig::for_ttl(Ttl::FiveMinutes).keep_warm);
+    assert_eq!(
+        PolicyConfig::for_ttl(Ttl::FiveMinutes).ttl,
+        Ttl::FiveMinutes
+    );
+}
