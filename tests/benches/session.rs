@@ -156,28 +156,20 @@ impl Timelines {
     }
 }
 
-fn summarize(
-    label: String,
-    mock: &MockApi,
-    restarts: BTreeMap<String, usize>,
-    keep_warm: usize,
-    evictions: usize,
-    overhead: Vec<Duration>,
-    turns: usize,
-    steps: Vec<Step>,
-) -> Report {
+/// The ledger's totals; the caller fills in what only it knows.
+fn summarize(label: String, mock: &MockApi, turns: usize) -> Report {
     let ledger = mock.ledger();
     Report {
         label,
-        steps,
+        steps: Vec::new(),
         turns,
         cost: ledger.iter().map(|e| e.cost).sum(),
         prompt_tokens: ledger.iter().map(|e| e.usage.prompt_tokens()).sum(),
         cache_read: ledger.iter().map(|e| e.usage.cache_read).sum(),
-        restarts,
-        keep_warm,
-        evictions,
-        overhead,
+        restarts: BTreeMap::new(),
+        keep_warm: 0,
+        evictions: 0,
+        overhead: Vec::new(),
     }
 }
 
@@ -352,7 +344,14 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
         "live, TTL {ttl:?}{}",
         if keep_warm { ", keep-warm" } else { "" }
     );
-    summarize(label, &mock, restarts, kw, ev, overhead, batches, steps)
+    Report {
+        steps,
+        restarts,
+        keep_warm: kw,
+        evictions: ev,
+        overhead,
+        ..summarize(label, &mock, batches)
+    }
 }
 
 /// Model cost of serving `steps` with restarts exactly where `restart[i]` says (restart before
@@ -452,16 +451,10 @@ async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
             timelines.push(d);
         }
     }
-    summarize(
-        format!("rebuild, TTL {ttl:?}"),
-        &mock,
-        BTreeMap::new(),
-        0,
-        0,
+    Report {
         overhead,
-        batches,
-        Vec::new(),
-    )
+        ..summarize(format!("rebuild, TTL {ttl:?}"), &mock, batches)
+    }
 }
 
 fn print(r: &Report, baseline: Option<&Report>) {
