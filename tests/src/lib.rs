@@ -3,10 +3,12 @@
 //! - [`mock_api`]: a local stand-in for the model's Messages API (the only mock in the project:
 //!   these machines cannot reach the real one).
 //! - [`claude_cli`]: the pinned claude CLI, installed by `deploy/install-claude-cli.sh`.
+//! - [`synapse`]: a real Synapse homeserver on loopback, from `deploy/synapse/`.
 //! - [`workload`]: the seeded reference workload of the session benchmark.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod claude_cli;
 pub mod mock_api;
+pub mod synapse;
 pub mod workload;
