@@ -400,29 +400,20 @@ fn prompt_blocks(req: &Value) -> Vec<Block> {
     for t in req["tools"].as_array().into_iter().flatten() {
         raw.push((format!("tool:{}", canon(t)), marker(t)));
     }
-    match &req["system"] {
+    // A string is the same prompt as one text block, in `system` and in message content alike.
+    let mut content = |label: &str, v: &Value| match v {
         Value::String(s) => raw.push((
-            format!("system:{}", canon(&json!({"type": "text", "text": s}))),
+            format!("{label}:{}", canon(&json!({"type": "text", "text": s}))),
             None,
         )),
         Value::Array(a) => a
             .iter()
-            .for_each(|b| raw.push((format!("system:{}", canon(b)), marker(b)))),
+            .for_each(|b| raw.push((format!("{label}:{}", canon(b)), marker(b)))),
         _ => {}
-    }
+    };
+    content("system", &req["system"]);
     for m in req["messages"].as_array().into_iter().flatten() {
-        let role = m["role"].as_str().unwrap_or("?");
-        match &m["content"] {
-            // A string is the same prompt as one text block.
-            Value::String(s) => raw.push((
-                format!("{role}:{}", canon(&json!({"type": "text", "text": s}))),
-                None,
-            )),
-            Value::Array(a) => a
-                .iter()
-                .for_each(|b| raw.push((format!("{role}:{}", canon(b)), marker(b)))),
-            _ => {}
-        }
+        content(m["role"].as_str().unwrap_or("?"), &m["content"]);
     }
     let mut h = DefaultHasher::new();
     raw.into_iter()
