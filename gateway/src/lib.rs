@@ -3,8 +3,11 @@
 //! - [`endpoint`]: the one owner of the loopback CultNet UDP socket, driving a [`wire::hub::Hub`]
 //!   with real datagrams (batched with GSO/GRO where the kernel offers them) and tokio's clock.
 //!
-//! The Matrix ear and mouth, the sled inbox and the per-Persona tasks arrive with issues 3 and 4.
+//! - [`inbox`]: the durable sled inbox (one transaction per sync response, seqs, acks, receipts).
+//!
+//! The Matrix ear and mouth and the per-Persona tasks arrive with issues 3 and 4.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod endpoint;
+pub mod inbox;

@@ -1,0 +1,67 @@
+//! Inbox ingest with durability: sync responses of 100 deliveries, each stored in one sled
+//! transaction and flushed (fsync) before it counts. Prints deliveries/s and the latency from a
+//! sync response to its deliveries being visible (p50, p99), homeserver excluded.
+//! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300).
+
+use std::time::{Duration, Instant};
+
+use gateway::inbox::Inbox;
+use wire::docs::{ContextLine, Delivery};
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let responses: u64 = std::env::var("RESPONSES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let dir = std::env::temp_dir().join(format!("cultnet-inbox-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let inbox = Inbox::open(&dir).expect("open");
+    // Deliveries shaped like real ones: ~200 bytes of text and 5 context lines.
+    let context: Vec<ContextLine> = (0..5)
+        .map(|i| ContextLine {
+            event_id: format!("$ctx{i}"),
+            sender: "@bo:localhost".into(),
+            sender_name: None,
+            ts: i,
+            text: "an earlier line of the room, about as long as chat usually is".into(),
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let start = Instant::now();
+    for r in 0..responses {
+        let batch: Vec<Delivery> = (0..100)
+            .map(|i| Delivery {
+                event_id: format!("$ev{r}-{i}"),
+                room_id: "!lobby:localhost".into(),
+                sender: "@ada:localhost".into(),
+                text: "x".repeat(200),
+                context: context.clone(),
+                ..Delivery::default()
+            })
+            .collect();
+        let t0 = Instant::now();
+        inbox
+            .ingest("mira", &format!("s{r}"), &batch)
+            .expect("ingest");
+        lat.push(t0.elapsed());
+        // Keep the inbox at a realistic size: ack what the consumer would have handled.
+        if r % 10 == 9 {
+            let c = inbox.counts("mira").expect("counts");
+            inbox.ack("mira", c.highest).expect("ack");
+        }
+    }
+    let total = start.elapsed();
+    lat.sort();
+    let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "inbox ingest, 100 deliveries per sync response, flushed: {:.0} deliveries/s ({responses} responses); sync response -> visible: p50 {:.0} us, p99 {:.0} us",
+        (responses * 100) as f64 / total.as_secs_f64(),
+        us(pct(50)),
+        us(pct(99))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,265 @@
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use proptest::prelude::*;
+use wire::docs::{Delivery, SendReceipt, Status};
+
+use super::*;
+
+fn dir(name: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "cultnet-inbox-{name}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn d(event: &str, text: &str) -> Delivery {
+    Delivery {
+        event_id: event.into(),
+        room_id: "!r".into(),
+        sender: "@a:l".into(),
+        text: text.into(),
+        ..Delivery::default()
+    }
+}
+
+fn seqs(p: &Page) -> Vec<u64> {
+    p.deliveries.iter().map(|d| d.seq).collect()
+}
+
+#[test]
+fn seqs_dedupe_and_token_in_one_step() {
+    let path = dir("basic");
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(inbox.sync_token("mira").unwrap(), None);
+    let got = inbox
+        .ingest(
+            "mira",
+            "t1",
+            &[d("$1", "a"), d("$2", "b"), d("$1", "a again")],
+        )
+        .unwrap();
+    assert_eq!(
+        got,
+        vec![1, 2],
+        "the same event twice in one response is one delivery"
+    );
+    assert_eq!(inbox.sync_token("mira").unwrap().as_deref(), Some("t1"));
+    // Sync is at-least-once: the same events again make nothing new.
+    assert_eq!(
+        inbox
+            .ingest("mira", "t2", &[d("$2", "b"), d("$3", "c")])
+            .unwrap(),
+        vec![3]
+    );
+    let page = inbox.pending("mira", 0, 100, None).unwrap();
+    assert_eq!(seqs(&page), vec![1, 2, 3]);
+    assert_eq!(page.deliveries[0].persona, "mira");
+    assert_eq!(
+        (page.through_seq, page.more, page.pending_count),
+        (3, false, 3)
+    );
+    // Personas do not see each other's mail.
+    assert_eq!(inbox.ingest("otto", "x", &[d("$1", "a")]).unwrap(), vec![1]);
+    assert_eq!(
+        inbox.counts("mira").unwrap(),
+        Counts {
+            highest: 3,
+            acked_through: 0,
+            pending: 3
+        }
+    );
+}
+
+#[test]
+fn restart_before_and_after_ack() {
+    let path = dir("restart");
+    {
+        let inbox = Inbox::open(&path).unwrap();
+        inbox
+            .ingest("mira", "t1", &[d("$1", "a"), d("$2", "b"), d("$3", "c")])
+            .unwrap();
+    }
+    let inbox = Inbox::open(&path).unwrap();
+    let page = inbox.pending("mira", 0, 100, None).unwrap();
+    assert_eq!(
+        seqs(&page),
+        vec![1, 2, 3],
+        "same deliveries, same seqs after a restart"
+    );
+    assert_eq!(inbox.sync_token("mira").unwrap().as_deref(), Some("t1"));
+    inbox.ack("mira", 2).unwrap();
+    drop(inbox);
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(
+        seqs(&inbox.pending("mira", 0, 100, None).unwrap()),
+        vec![3],
+        "nothing acked comes back"
+    );
+    // An acknowledged event handed back by sync is not mail again; seqs go on, never reused.
+    assert_eq!(
+        inbox
+            .ingest("mira", "t2", &[d("$1", "a"), d("$4", "d")])
+            .unwrap(),
+        vec![4]
+    );
+}
+
+#[test]
+fn ack_is_idempotent_and_bounded() {
+    let inbox = Inbox::open(&dir("ack")).unwrap();
+    inbox
+        .ingest("mira", "t", &[d("$1", "a"), d("$2", "b")])
+        .unwrap();
+    assert!(matches!(
+        inbox.ack("mira", 3),
+        Err(InboxError::AckBeyondHighest {
+            through: 3,
+            highest: 2
+        })
+    ));
+    assert_eq!(
+        inbox.counts("mira").unwrap().pending,
+        2,
+        "a refused ack changes nothing"
+    );
+    let c = inbox.ack("mira", 1).unwrap();
+    assert_eq!((c.acked_through, c.pending), (1, 1));
+    let again = inbox.ack("mira", 1).unwrap();
+    assert_eq!(again, c);
+    assert_eq!(inbox.ack("mira", 0).unwrap(), c, "an older ack is a no-op");
+    assert!(matches!(
+        inbox.ack("nobody", 1),
+        Err(InboxError::AckBeyondHighest { highest: 0, .. })
+    ));
+}
+
+#[test]
+fn pages_never_drop_a_delivery_to_fit() {
+    let inbox = Inbox::open(&dir("pages")).unwrap();
+    let long = "x".repeat(2000);
+    inbox
+        .ingest(
+            "mira",
+            "t",
+            &[d("$1", "short"), d("$2", &long), d("$3", "short")],
+        )
+        .unwrap();
+    let p = inbox.pending("mira", 0, 2, None).unwrap();
+    assert_eq!((seqs(&p), p.more, p.through_seq), (vec![1, 2], true, 2));
+    // A byte cap stops the page before the big one instead of skipping it...
+    let p = inbox.pending("mira", 0, 100, Some(500)).unwrap();
+    assert_eq!((seqs(&p), p.more), (vec![1], true));
+    // ...and a page that starts with it carries it cut and flagged.
+    let p = inbox.pending("mira", 1, 100, Some(500)).unwrap();
+    assert_eq!(seqs(&p), vec![2]);
+    assert!(
+        p.deliveries[0].truncated && p.deliveries[0].text.len() < 500,
+        "{}",
+        p.deliveries[0].text.len()
+    );
+    // Reading is not consuming.
+    assert_eq!(
+        inbox.pending("mira", 0, 100, None).unwrap().deliveries[1].text,
+        long
+    );
+}
+
+#[test]
+fn receipts_survive_restarts() {
+    let path = dir("receipts");
+    let r = SendReceipt {
+        request_id: "turn:mira:1-1:0".into(),
+        status: Status::Ok,
+        event_id: Some("$sent".into()),
+        room_id: Some("!r".into()),
+        error: None,
+    };
+    {
+        let inbox = Inbox::open(&path).unwrap();
+        assert_eq!(inbox.receipt("mira", &r.request_id).unwrap(), None);
+        inbox.store_receipt("mira", &r).unwrap();
+    }
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(
+        inbox.receipt("mira", &r.request_id).unwrap(),
+        Some(r.clone())
+    );
+    assert_eq!(inbox.receipt("otto", &r.request_id).unwrap(), None);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Ingest(Vec<u8>),
+    Ack(u8),
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => proptest::collection::vec(0u8..40, 0..8).prop_map(Op::Ingest),
+        2 => (0u8..50).prop_map(Op::Ack),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    /// Against a model: every event gets exactly one seq, seqs are dense and increasing,
+    /// nothing acknowledged reappears, nothing unacknowledged is lost, across reopenings.
+    #[test]
+    fn matches_the_model(ops in proptest::collection::vec(op(), 1..30)) {
+        let path = dir("prop");
+        let mut inbox = Inbox::open(&path).unwrap();
+        let mut model: BTreeMap<u64, String> = BTreeMap::new();
+        let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+        let (mut next, mut acked) = (1u64, 0u64);
+        for (i, op) in ops.into_iter().enumerate() {
+            match op {
+                Op::Ingest(events) => {
+                    let batch: Vec<Delivery> = events.iter().map(|e| d(&format!("${e}"), "x")).collect();
+                    let got = inbox.ingest("p", &format!("t{i}"), &batch).unwrap();
+                    let mut want = Vec::new();
+                    for e in &batch {
+                        if !seen.contains_key(&e.event_id) {
+                            seen.insert(e.event_id.clone(), next);
+                            model.insert(next, e.event_id.clone());
+                            want.push(next);
+                            next += 1;
+                        }
+                    }
+                    prop_assert_eq!(got, want);
+                }
+                Op::Ack(t) => {
+                    let t = t as u64;
+                    match inbox.ack("p", t) {
+                        Ok(_) => {
+                            prop_assert!(t < next);
+                            if t > acked {
+                                acked = t;
+                                model.retain(|s, _| *s > t);
+                            }
+                        }
+                        Err(InboxError::AckBeyondHighest { .. }) => prop_assert!(t >= next),
+                        Err(e) => prop_assert!(false, "{e}"),
+                    }
+                }
+                Op::Reopen => {
+                    drop(inbox);
+                    inbox = Inbox::open(&path).unwrap();
+                }
+            }
+            let page = inbox.pending("p", 0, 1000, None).unwrap();
+            let got: Vec<(u64, String)> = page.deliveries.iter().map(|d| (d.seq, d.event_id.clone())).collect();
+            let want: Vec<(u64, String)> = model.iter().map(|(s, e)| (*s, e.clone())).collect();
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(inbox.counts("p").unwrap(), Counts { highest: next - 1, acked_through: acked, pending: model.len() as u64 });
+        }
+        let _ = std::fs::remove_dir_all(&path);
+    }
+}
