@@ -1,0 +1,432 @@
+//! The gateway's configuration (TOML; `deploy/gateway.example.toml` documents every key).
+//!
+//! [`Config::parse`] checks everything it can without touching the network: every error names
+//! the Persona and the key. Access tokens are read by [`Persona::load_token`] from a file
+//! (refused when group or others may read it) or a systemd credential, into a [`Secret`] whose
+//! `Debug` and `Display` print `<redacted>`.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// A secret value: never printed, never logged.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The value, for the one place that needs it (the Matrix client).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// A configuration problem, naming where it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}key `{key}`: {problem}", persona.as_ref().map(|p| format!("persona {p:?}: ")).unwrap_or_default())]
+pub struct ConfigError {
+    /// The Persona, when the key belongs to one.
+    pub persona: Option<String>,
+    /// The key (dotted path).
+    pub key: String,
+    /// What is wrong and, where possible, how to fix it.
+    pub problem: String,
+}
+
+fn err(persona: Option<&str>, key: &str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        persona: persona.map(str::to_owned),
+        key: key.to_owned(),
+        problem: problem.into(),
+    }
+}
+
+/// Per-Persona limits, with the defaults the issue names.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Pending deliveries at which the ear stops syncing.
+    pub max_pending: u64,
+    /// Context lines per delivery.
+    pub context_lines: usize,
+    /// Context bytes per delivery.
+    pub context_bytes: usize,
+    /// Events per `/messages` fetch.
+    pub fetch_limit: usize,
+    /// Events a gap fill may fetch at most.
+    pub gap_fill_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_pending: 1000,
+            context_lines: 20,
+            context_bytes: 16 * 1024,
+            fetch_limit: 100,
+            gap_fill_max: 1000,
+        }
+    }
+}
+
+/// One Persona's Matrix account.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Persona {
+    /// Short id (letters, digits, `-`, `_`).
+    pub id: String,
+    /// Homeserver base URL.
+    pub homeserver: String,
+    /// `@name:server`.
+    pub user_id: String,
+    /// Her stable device id (exactly-once sends depend on it).
+    pub device_id: String,
+    /// File holding her access token (mode 0600 or stricter).
+    #[serde(default)]
+    pub access_token_file: Option<PathBuf>,
+    /// Or: the name of a systemd credential (`LoadCredential=`) holding it.
+    #[serde(default)]
+    pub access_token_credential: Option<String>,
+    /// Rooms to join and listen in (aliases `#...` or ids `!...`).
+    #[serde(default)]
+    pub rooms: Vec<String>,
+    /// Users whose DM invites she accepts.
+    #[serde(default)]
+    pub operators: Vec<String>,
+    /// Limits.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// The CultNet endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CultNet {
+    /// Loopback address to bind.
+    pub bind: std::net::SocketAddr,
+}
+
+impl Default for CultNet {
+    fn default() -> Self {
+        Self {
+            bind: std::net::SocketAddr::from(([127, 0, 0, 1], 47_004)),
+        }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where the inbox and the Matrix stores live.
+    pub state_dir: PathBuf,
+    /// The CultNet endpoint.
+    #[serde(default)]
+    pub cultnet: CultNet,
+    /// The Personas.
+    #[serde(default, rename = "persona")]
+    pub personas: Vec<Persona>,
+}
+
+impl Config {
+    /// Parses and checks a configuration.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_owned();
+            // toml names unknown and missing keys in its message; keep it whole.
+            err(None, "(document)", msg)
+        })?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a configuration file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            err(
+                None,
+                "(file)",
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?;
+        Self::parse(&text)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        if !self.cultnet.bind.ip().is_loopback() {
+            return Err(err(
+                None,
+                "cultnet.bind",
+                format!(
+                    "{} is not loopback: CultNet RUDP binds loopback only (remote peers use QUIC)",
+                    self.cultnet.bind
+                ),
+            ));
+        }
+        let mut ids = HashSet::new();
+        for (i, p) in self.personas.iter().enumerate() {
+            let who = Some(p.id.as_str()).filter(|s| !s.is_empty());
+            if p.id.is_empty()
+                || !p
+                    .id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(err(
+                    who,
+                    &format!("persona[{i}].id"),
+                    "must be non-empty letters, digits, '-' or '_'",
+                ));
+            }
+            if !ids.insert(p.id.as_str()) {
+                return Err(err(who, "id", "another Persona has the same id"));
+            }
+            if !(p.homeserver.starts_with("http://") || p.homeserver.starts_with("https://")) {
+                return Err(err(
+                    who,
+                    "homeserver",
+                    format!("{:?} is not an http(s) URL", p.homeserver),
+                ));
+            }
+            if !is_user_id(&p.user_id) {
+                return Err(err(
+                    who,
+                    "user_id",
+                    format!("{:?} is not a Matrix user id (@name:server)", p.user_id),
+                ));
+            }
+            if p.device_id.trim().is_empty() {
+                return Err(err(
+                    who,
+                    "device_id",
+                    "must be set: a stable device id makes sends exactly-once",
+                ));
+            }
+            match (&p.access_token_file, &p.access_token_credential) {
+                (Some(_), Some(_)) => {
+                    return Err(err(
+                        who,
+                        "access_token_file",
+                        "set either access_token_file or access_token_credential, not both",
+                    ))
+                }
+                (None, None) => {
+                    return Err(err(
+                        who,
+                        "access_token_file",
+                        "missing: set access_token_file or access_token_credential",
+                    ))
+                }
+                _ => {}
+            }
+            for (j, r) in p.rooms.iter().enumerate() {
+                if !(r.starts_with('#') || r.starts_with('!')) {
+                    return Err(err(
+                        who,
+                        &format!("rooms[{j}]"),
+                        format!("{r:?} is neither an alias (#...) nor a room id (!...)"),
+                    ));
+                }
+            }
+            for (j, o) in p.operators.iter().enumerate() {
+                if !is_user_id(o) {
+                    return Err(err(
+                        who,
+                        &format!("operators[{j}]"),
+                        format!("{o:?} is not a Matrix user id"),
+                    ));
+                }
+            }
+            let l = &p.limits;
+            for (k, v) in [
+                ("limits.max_pending", l.max_pending as usize),
+                ("limits.context_lines", l.context_lines),
+                ("limits.context_bytes", l.context_bytes),
+                ("limits.fetch_limit", l.fetch_limit),
+                ("limits.gap_fill_max", l.gap_fill_max),
+            ] {
+                if v == 0 {
+                    return Err(err(who, k, "must be greater than 0"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn is_user_id(s: &str) -> bool {
+    s.starts_with('@')
+        && s.split_once(':')
+            .is_some_and(|(name, server)| name.len() > 1 && !server.is_empty())
+}
+
+impl Persona {
+    /// Reads her access token. A token file readable by group or others is refused.
+    pub fn load_token(&self) -> Result<Secret, ConfigError> {
+        let who = Some(self.id.as_str());
+        let path = match (&self.access_token_file, &self.access_token_credential) {
+            (Some(f), _) => {
+                check_private(f).map_err(|p| err(who, "access_token_file", p))?;
+                f.clone()
+            }
+            (None, Some(name)) => {
+                let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| err(who, "access_token_credential", "CREDENTIALS_DIRECTORY is not set: is the gateway running under systemd with LoadCredential=?"))?;
+                Path::new(&dir).join(name)
+            }
+            (None, None) => return Err(err(who, "access_token_file", "missing")),
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            err(
+                who,
+                "access_token_file",
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(err(
+                who,
+                "access_token_file",
+                format!("{} is empty", path.display()),
+            ));
+        }
+        Ok(Secret(token.to_owned()))
+    }
+}
+
+#[cfg(unix)]
+fn check_private(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta =
+        std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{} is readable by group or others (mode {mode:04o}); run `chmod 600 {}`",
+            path.display(),
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn check_private(_: &Path) -> Result<(), String> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r##"
+state_dir = "/tmp/x"
+[[persona]]
+id = "mira"
+homeserver = "http://127.0.0.1:8008"
+user_id = "@mira:localhost"
+device_id = "CULTNET-MIRA"
+access_token_file = "/tmp/mira.token"
+rooms = ["#lobby:localhost", "!abc"]
+operators = ["@op:localhost"]
+"##;
+
+    fn with(replace: &str, by: &str) -> Result<Config, ConfigError> {
+        Config::parse(&GOOD.replace(replace, by))
+    }
+
+    #[test]
+    fn good_config_and_defaults() {
+        let c = Config::parse(GOOD).unwrap();
+        assert_eq!(c.personas[0].limits, Limits::default());
+        assert_eq!(c.personas[0].limits.max_pending, 1000);
+        assert!(c.cultnet.bind.ip().is_loopback());
+    }
+
+    #[test]
+    fn every_error_names_persona_and_key() {
+        let cases = [
+            (with("\"#lobby:localhost\"", "\"lobby\""), "rooms[0]"),
+            (with("@mira:localhost", "mira"), "user_id"),
+            (with("http://127.0.0.1:8008", "ftp://x"), "homeserver"),
+            (with("@op:localhost", "op"), "operators[0]"),
+            (
+                with("device_id = \"CULTNET-MIRA\"", "device_id = \" \""),
+                "device_id",
+            ),
+            (
+                with("access_token_file = \"/tmp/mira.token\"", ""),
+                "access_token_file",
+            ),
+            (
+                with(
+                    "access_token_file = \"/tmp/mira.token\"",
+                    "access_token_file = \"/a\"\naccess_token_credential = \"b\"",
+                ),
+                "access_token_file",
+            ),
+            (
+                with(
+                    "operators = [\"@op:localhost\"]",
+                    "operators = []\n[persona.limits]\nmax_pending = 0",
+                ),
+                "limits.max_pending",
+            ),
+        ];
+        for (r, key) in cases {
+            let e = r.unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+            assert_eq!(e.persona.as_deref(), Some("mira"), "{e}");
+            assert!(e.to_string().starts_with("persona \"mira\": key"), "{e}");
+        }
+        let twice = format!("{GOOD}{}", &GOOD[GOOD.find("[[persona]]").unwrap()..]);
+        assert_eq!(Config::parse(&twice).unwrap_err().key, "id");
+        let e = with("rooms =", "roooms =").unwrap_err();
+        assert!(e.problem.contains("roooms"), "unknown keys are named: {e}");
+        let e = Config::parse(&format!("{GOOD}\n[cultnet]\nbind = \"0.0.0.0:47004\"")).unwrap_err();
+        assert_eq!(e.key, "cultnet.bind");
+    }
+
+    #[test]
+    fn tokens_are_private_and_never_printed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("cultnet-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("mira.token");
+        std::fs::write(&file, "syt_secret_token\n").unwrap();
+        let mut c = Config::parse(GOOD).unwrap();
+        c.personas[0].access_token_file = Some(file.clone());
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = c.personas[0].load_token().unwrap_err();
+        assert!(
+            e.problem.contains("chmod 600") && e.problem.contains("0644"),
+            "{e}"
+        );
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let t = c.personas[0].load_token().unwrap();
+        assert_eq!(t.expose(), "syt_secret_token");
+        assert_eq!(format!("{t:?} {t}"), "<redacted> <redacted>");
+        assert!(!format!("{:?}", c.personas[0]).contains("syt_"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_example_config_parses() {
+        let text = include_str!("../../deploy/gateway.example.toml");
+        let c = Config::parse(text).unwrap();
+        assert!(!c.personas.is_empty());
+    }
+}
