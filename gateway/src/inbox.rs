@@ -275,20 +275,27 @@ impl Inbox {
                 highest: c.highest,
             });
         }
-        if through > c.acked_through {
-            let mut ops = sled::Batch::default();
-            for k in self
-                .tree
-                .range(seq_key(persona, 0)..=seq_key(persona, through))
-                .keys()
-            {
-                ops.remove(k?);
-            }
-            ops.insert(key(persona, b"acked"), &through.to_be_bytes());
-            self.tree.apply_batch(ops)?;
-            self.db.flush()?;
+        if through <= c.acked_through {
+            return Ok(c);
         }
-        self.counts(persona)
+        let mut ops = sled::Batch::default();
+        let mut removed = 0;
+        for k in self
+            .tree
+            .range(seq_key(persona, 0)..=seq_key(persona, through))
+            .keys()
+        {
+            ops.remove(k?);
+            removed += 1;
+        }
+        ops.insert(key(persona, b"acked"), &through.to_be_bytes());
+        self.tree.apply_batch(ops)?;
+        self.db.flush()?;
+        Ok(Counts {
+            highest: c.highest,
+            acked_through: through,
+            pending: c.pending - removed,
+        })
     }
 
     /// The stored receipt of a send request, if it was sent before.

@@ -235,13 +235,10 @@ impl Cli {
         let ready = tokio::time::timeout(grace, async {
             loop {
                 match cli.next_event().await? {
-                    Event::ControlResponse(v)
-                        if v["response"]["request_id"] == id.as_str()
-                            || v["request_id"] == id.as_str() =>
-                    {
+                    // The answer names our request: {"response": {"request_id": id, ...}}.
+                    Event::ControlResponse(v) if v["response"]["request_id"] == id.as_str() => {
                         return Ok(())
                     }
-                    Event::ControlResponse(_) => return Ok(()),
                     _ => {}
                 }
             }

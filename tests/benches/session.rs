@@ -66,21 +66,6 @@ fn cfg(mock: &MockApi, dir: &Path, system: &Path, ttl: Ttl) -> CliConfig {
     }
 }
 
-fn session_id(n: u64) -> String {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64;
-    format!(
-        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
-        t as u32,
-        n as u16,
-        n & 0xfff,
-        (t >> 32) & 0xfff,
-        (t ^ n) & 0xffff_ffff_ffff
-    )
-}
-
 fn deliveries(batch: &Value, seq: &mut u64) -> Vec<Delivery> {
     batch["deliveries"]
         .as_array()
@@ -204,7 +189,6 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
     };
     let (mut restarts, mut kw, mut ev, mut overhead) = (BTreeMap::new(), 0, 0, Vec::new());
     let mut seq = 0u64;
-    let mut n_sessions = 0u64;
     let mut steps = Vec::new();
     let mut last_touch_off = Duration::ZERO;
     for (i, batch) in w["batches"]
@@ -278,8 +262,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             if let Some(c) = cli.take() {
                 c.shutdown(Duration::from_secs(5)).await;
             }
-            n_sessions += 1;
-            sid = Some(session_id(n_sessions));
+            sid = Some(tests::claude_cli::new_session_id());
             seen.clear();
             t.excess_read_cost = 0.0;
         }
@@ -442,7 +425,7 @@ async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
         let text = render(&ds, &mut Seen::default(), None);
         overhead.push(work.elapsed());
         let mut c = base.clone();
-        c.session_id = Some(session_id(seq));
+        c.session_id = Some(tests::claude_cli::new_session_id());
         let mut cli = Cli::spawn(c).await.expect("CLI ready");
         mock.script(batch["reply"].clone());
         let _ = cli.turn(&text).await.expect("turn");

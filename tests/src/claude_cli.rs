@@ -26,3 +26,25 @@ pub fn executable() -> PathBuf {
     })
     .clone()
 }
+
+/// A new session id in UUID form (the CLI insists on one for `--session-id`), unique per call
+/// within and across processes.
+pub fn new_session_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed) as u128;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let x = t ^ ((std::process::id() as u128) << 64) ^ (n << 96);
+    let h = format!("{x:032x}");
+    format!(
+        "{}-{}-4{}-8{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[13..16],
+        &h[17..20],
+        &h[20..32]
+    )
+}

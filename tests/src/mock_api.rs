@@ -106,6 +106,18 @@ struct State {
 }
 
 impl State {
+    fn new(cfg: MockConfig) -> Self {
+        Self {
+            cfg,
+            started: Instant::now(),
+            offset: Duration::ZERO,
+            cache: HashMap::new(),
+            ledger: Vec::new(),
+            faults: VecDeque::new(),
+            script: VecDeque::new(),
+        }
+    }
+
     fn now(&self) -> Instant {
         Instant::now() + self.offset
     }
@@ -130,15 +142,7 @@ impl MockApi {
     pub async fn start(cfg: MockConfig) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(Mutex::new(State {
-            cfg,
-            started: Instant::now(),
-            offset: Duration::ZERO,
-            cache: HashMap::new(),
-            ledger: Vec::new(),
-            faults: VecDeque::new(),
-            script: VecDeque::new(),
-        }));
+        let state = Arc::new(Mutex::new(State::new(cfg)));
         let st = state.clone();
         let task = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
@@ -565,15 +569,7 @@ mod tests {
     }
 
     fn state() -> State {
-        State {
-            cfg: MockConfig::default(),
-            started: Instant::now(),
-            offset: Duration::ZERO,
-            cache: HashMap::new(),
-            ledger: Vec::new(),
-            faults: VecDeque::new(),
-            script: VecDeque::new(),
-        }
+        State::new(MockConfig::default())
     }
 
     #[test]

@@ -9,6 +9,7 @@ use session::cost::Ttl;
 use session::driver::{Cli, CliConfig};
 use session::policy::Outcome;
 use session::render::{render, reply_schema, validate, Seen};
+use tests::claude_cli::new_session_id;
 use tests::mock_api::{Fault, MockApi, MockConfig};
 use wire::docs::Delivery;
 
@@ -153,24 +154,6 @@ async fn slash_commands_in_chat_reach_the_model_as_text() {
     );
     assert_eq!(mock.ledger().len(), 3, "/clear makes no API call");
     cli.shutdown(Duration::from_secs(5)).await;
-}
-
-/// A new session id in UUID form (the CLI insists on one).
-fn new_session_id() -> String {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let x = t ^ ((std::process::id() as u128) << 64);
-    let h = format!("{x:032x}");
-    format!(
-        "{}-{}-4{}-8{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[13..16],
-        &h[17..20],
-        &h[20..32]
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -155,29 +155,20 @@ impl Pair {
                 }
             }
         }
+        let mut accepted = false;
         for side in [&mut self.a, &mut self.b] {
             while let Some(ev) = side.hub.poll_event() {
                 if self.auto_accept {
                     if let HubEvent::ConnectRequest { peer, .. } = &ev {
-                        let _ = side.hub.accept(self.now, *peer);
+                        accepted |= side.hub.accept(self.now, *peer).is_ok();
                     }
                 }
                 side.events.push(ev);
             }
         }
-        // Accepting may have produced datagrams.
-        if self.a.hub.poll_timeout().is_some() || self.b.hub.poll_timeout().is_some() {
-            let mut again = false;
-            for side in [&self.a, &self.b] {
-                for p in side.hub.peers() {
-                    if side.hub.session(p).is_some_and(|s| s.wants_transmit()) {
-                        again = true;
-                    }
-                }
-            }
-            if again {
-                self.flush();
-            }
+        // An accept queues its Accept packet: move it too.
+        if accepted {
+            self.flush();
         }
     }
 
