@@ -48,6 +48,20 @@ pub enum InboxError {
     },
 }
 
+/// How long [`Inbox::open`] waits for another holder of the database lock.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// sled reports a held lock as an I/O error "could not acquire lock" (EAGAIN from flock).
+fn is_lock_contention(e: &sled::Error) -> bool {
+    match e {
+        sled::Error::Io(io) => {
+            io.kind() == std::io::ErrorKind::WouldBlock
+                || io.to_string().contains("could not acquire lock")
+        }
+        _ => false,
+    }
+}
+
 /// A page of pending deliveries (non-consuming).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Page {
@@ -121,8 +135,24 @@ fn decode<T: DeserializeOwned>(k: &[u8], v: &[u8]) -> Result<T, InboxError> {
 }
 
 impl Inbox {
-    /// Opens (or creates) the inbox at `path`.
+    /// Opens (or creates) the inbox at `path`. If another handle (or a process still exiting)
+    /// holds the database lock, waits up to [`LOCK_WAIT`] for it: sled 0.34 releases the lock
+    /// from a background thread after its `Db` is dropped (spacejam/sled#1289).
     pub fn open(path: &Path) -> Result<Self, InboxError> {
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            match Self::open_once(path) {
+                Err(InboxError::Store(e))
+                    if is_lock_contention(&e) && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn open_once(path: &Path) -> Result<Self, InboxError> {
         // Every write is flushed by us before it counts; sled's periodic background flush would
         // only compete with those flushes.
         let db = sled::Config::new()

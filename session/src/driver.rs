@@ -270,7 +270,9 @@ impl Cli {
                 warn!(?timeout, "turn timed out; interrupting");
                 self.control("interrupt").await?;
                 match tokio::time::timeout(self.cfg.grace, self.until_result()).await {
-                    Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {
+                    // The interrupted turn ended with its (error) result; the process lives on.
+                    Ok(Ok(turn)) => Ok(turn),
+                    Ok(Err(_)) | Err(_) => {
                         let _ = self.child.kill().await;
                         Err(DriverError::TimedOut(timeout))
                     }

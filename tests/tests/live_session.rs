@@ -300,3 +300,31 @@ async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
     }
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("timeout");
+    let mut cfg = config(&mock, &dir);
+    cfg.turn_timeout = Duration::from_secs(2);
+    let mut cli = Cli::spawn(cfg).await.expect("CLI ready");
+    let pid = cli.pid();
+    let mut seen = Seen::default();
+    mock.inject(Fault::Delay(Duration::from_secs(30)));
+    let turn = cli
+        .turn(&render(&[delivery(1, "slow")], &mut seen, None))
+        .await
+        .expect("the interrupted turn's result");
+    assert!(turn.result.is_error, "{:?}", turn.result);
+    assert_eq!(
+        turn.result.terminal_reason.as_deref(),
+        Some("aborted_streaming")
+    );
+    assert_eq!(cli.pid(), pid, "interrupted, not killed");
+    let next = cli
+        .turn(&render(&[delivery(2, "quick")], &mut seen, None))
+        .await
+        .unwrap();
+    assert!(!next.result.is_error, "{:?}", next.result);
+    cli.shutdown(Duration::from_secs(5)).await;
+}

@@ -193,6 +193,30 @@ fn receipts_survive_restarts() {
     assert_eq!(inbox.receipt("otto", &r.request_id).unwrap(), None);
 }
 
+#[test]
+fn open_waits_for_a_lock_being_released_and_gives_up_on_one_that_is_not() {
+    let path = dir("lock");
+    let held = Inbox::open(&path).unwrap();
+    held.ingest("mira", "t", &[d("$1", "a")]).unwrap();
+    // Held for good: a typed error after the bounded wait, not a hang.
+    let started = std::time::Instant::now();
+    let err = Inbox::open(&path).unwrap_err();
+    assert!(matches!(err, InboxError::Store(_)), "{err}");
+    assert!(
+        started.elapsed() >= LOCK_WAIT,
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    // Released a little later (as sled does after a drop): the open waits and succeeds.
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        drop(held);
+    });
+    let again = Inbox::open(&path).expect("opened once the lock was released");
+    releaser.join().unwrap();
+    assert_eq!(again.counts("mira").unwrap().highest, 1);
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Ingest(Vec<u8>),
