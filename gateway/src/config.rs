@@ -16,6 +16,11 @@ use serde::Deserialize;
 pub struct Secret(String);
 
 impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: String) -> Self {
+        Self(value)
+    }
+
     /// The value, for the one place that needs it (the Matrix client).
     pub fn expose(&self) -> &str {
         &self.0

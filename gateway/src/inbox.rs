@@ -4,7 +4,9 @@
 //! - `d` persona, seq -> delivery (MessagePack)
 //! - `e` persona, event id -> seq (deduplication; kept after ack, because sync is
 //!   at-least-once and may hand an acknowledged event back)
-//! - `m` persona, name -> value (`next_seq`, `acked`, `token`)
+//! - `m` persona, name -> value (`next_seq`, `acked`, `token`, `tl_next`)
+//! - `t` persona, room id, counter -> timeline line (the room's recent lines, for context;
+//!   trimmed to the last [`TIMELINE_CAP`] per room by each later sync response)
 //!
 //! and a tree `receipts`: persona, request id -> send receipt.
 //!
@@ -97,6 +99,30 @@ pub struct Inbox {
 const DELIVERY: u8 = b'd';
 const EVENT: u8 = b'e';
 const META: u8 = b'm';
+const TIMELINE: u8 = b't';
+
+/// Lines of recent timeline kept per room (enough for 20 lines of context plus a thread's).
+pub const TIMELINE_CAP: usize = 64;
+
+/// A line of a room's recent timeline: the room, the thread it belongs to, the line.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TimelineLine {
+    /// Room id.
+    pub room_id: String,
+    /// Thread root, for a thread message.
+    pub thread: Option<String>,
+    /// The line.
+    pub line: wire::docs::ContextLine,
+}
+
+fn room_key(persona: &str, room: &str, counter: Option<u64>) -> Vec<u8> {
+    let mut rest = room.as_bytes().to_vec();
+    rest.push(0);
+    if let Some(c) = counter {
+        rest.extend_from_slice(&c.to_be_bytes());
+    }
+    kkey(TIMELINE, persona, &rest)
+}
 
 fn kkey(kind: u8, persona: &str, rest: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(2 + persona.len() + rest.len());
@@ -176,6 +202,18 @@ impl Inbox {
         next_token: &str,
         batch: &[Delivery],
     ) -> Result<Vec<u64>, InboxError> {
+        self.ingest_sync(persona, next_token, batch, &[])
+    }
+
+    /// [`Inbox::ingest`] with the sync response's timeline lines, stored in the same atomic
+    /// batch (each room keeps its last [`TIMELINE_CAP`] lines).
+    pub fn ingest_sync(
+        &self,
+        persona: &str,
+        next_token: &str,
+        batch: &[Delivery],
+        lines: &[TimelineLine],
+    ) -> Result<Vec<u64>, InboxError> {
         let next_key = key(persona, b"next_seq");
         let mut next = self.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
         let mut batch_ops = sled::Batch::default();
@@ -195,11 +233,44 @@ impl Inbox {
             batch_ops.insert(ek, &seq.to_be_bytes());
             assigned.push(seq);
         }
+        if !lines.is_empty() {
+            let tl_key = key(persona, b"tl_next");
+            let mut counter = self.tree.get(&tl_key)?.map(|v| u64_of(&v)).unwrap_or(0);
+            let mut per_room: std::collections::BTreeMap<&str, usize> = Default::default();
+            for l in lines {
+                batch_ops.insert(room_key(persona, &l.room_id, Some(counter)), encode(l));
+                counter += 1;
+                *per_room.entry(l.room_id.as_str()).or_default() += 1;
+            }
+            batch_ops.insert(tl_key, &counter.to_be_bytes());
+            for (room, added) in per_room {
+                let old: Vec<_> = self
+                    .tree
+                    .scan_prefix(room_key(persona, room, None))
+                    .keys()
+                    .collect::<Result<_, _>>()?;
+                let total = old.len() + added;
+                for k in old.into_iter().take(total.saturating_sub(TIMELINE_CAP)) {
+                    batch_ops.remove(k);
+                }
+            }
+        }
         batch_ops.insert(next_key, &next.to_be_bytes());
         batch_ops.insert(key(persona, b"token"), next_token.as_bytes());
         self.tree.apply_batch(batch_ops)?;
         self.db.flush()?;
         Ok(assigned)
+    }
+
+    /// A room's stored recent timeline, oldest first.
+    pub fn timeline(&self, persona: &str, room_id: &str) -> Result<Vec<TimelineLine>, InboxError> {
+        self.tree
+            .scan_prefix(room_key(persona, room_id, None))
+            .map(|kv| {
+                let (k, v) = kv?;
+                decode(&k, &v)
+            })
+            .collect()
     }
 
     /// The stored sync position (`None` before the first sync).

@@ -12,5 +12,9 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod config;
+pub mod ear;
 pub mod endpoint;
+pub mod event;
 pub mod inbox;
+pub mod matrix;
+pub mod mouth;

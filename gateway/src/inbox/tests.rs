@@ -287,3 +287,40 @@ proptest! {
         let _ = std::fs::remove_dir_all(&path);
     }
 }
+
+fn tl(room: &str, id: &str) -> TimelineLine {
+    TimelineLine {
+        room_id: room.into(),
+        thread: None,
+        line: wire::docs::ContextLine {
+            event_id: id.into(),
+            sender: "@a:l".into(),
+            sender_name: None,
+            ts: 1,
+            text: format!("text {id}"),
+        },
+    }
+}
+
+#[test]
+fn timelines_are_stored_per_room_bounded_and_survive_reopen() {
+    let dir = dir("timeline");
+    {
+        let inbox = Inbox::open(&dir).unwrap();
+        let lines: Vec<_> = (0..TIMELINE_CAP + 10)
+            .map(|i| tl("!a", &format!("$a{i}")))
+            .collect();
+        inbox.ingest_sync("p", "t1", &[], &lines).unwrap();
+        inbox
+            .ingest_sync("p", "t2", &[], &[tl("!b", "$b0"), tl("!a", "$last")])
+            .unwrap();
+        let a = inbox.timeline("p", "!a").unwrap();
+        assert_eq!(a.len(), TIMELINE_CAP);
+        assert_eq!(a.last().unwrap().line.event_id, "$last");
+        assert_eq!(a[0].line.event_id, "$a11", "the oldest lines go first");
+        assert!(inbox.timeline("other", "!a").unwrap().is_empty());
+    }
+    let inbox = Inbox::open(&dir).unwrap();
+    assert_eq!(inbox.timeline("p", "!b").unwrap(), vec![tl("!b", "$b0")]);
+    assert_eq!(inbox.sync_token("p").unwrap().as_deref(), Some("t2"));
+}

@@ -1,0 +1,407 @@
+//! The ear: one sync loop per Persona whose position the gateway owns.
+//!
+//! Each round: wait while her inbox is full (`max_pending`; the homeserver keeps the
+//! messages), `sync_once` from the inbox's stored token, turn the response into deliveries
+//! and timeline lines, and store them with the response's `next_batch` in one flushed batch
+//! ([`Inbox::ingest_sync`]). Only then is the new token used. So a crash anywhere replays the
+//! response, and the event-id index drops what was already stored.
+//!
+//! - The first sync (no stored token) seeds the room timelines and makes no mail.
+//! - A `limited` timeline is gap-filled backwards from its `prev_batch` down to the previous
+//!   token, at most `gap_fill_max` events; if the fill fails the round fails and is retried
+//!   from the old token, so nothing is skipped.
+//! - DM invites from her operators are joined; others are ignored and logged.
+//! - Errors back off exponentially (0.5 s to 30 s); a 429's requested wait is honoured.
+//! - Undecryptable events are delivered with a placeholder text, counted and logged.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use matrix_sdk::config::{SyncSettings, SyncToken};
+use matrix_sdk::deserialized_responses::TimelineEventKind;
+use matrix_sdk::room::MessagesOptions;
+use matrix_sdk::ruma::api::client::filter::FilterDefinition;
+use matrix_sdk::ruma::api::client::sync::sync_events::v3::{Filter, InvitedRoom};
+use matrix_sdk::ruma::{OwnedRoomId, UInt};
+use matrix_sdk::{Client, Room};
+use serde_json::Value;
+use tokio::sync::{watch, Notify};
+
+use crate::config::Persona;
+use crate::event::{self, Me, RoomInfo};
+use crate::inbox::{Inbox, InboxError, TimelineLine, TIMELINE_CAP};
+use crate::matrix::{classify, Backoff, Failure};
+
+/// How long one `/sync` long-polls.
+pub const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Counters of one ear (read by status and tests).
+#[derive(Debug, Default)]
+pub struct EarStats {
+    /// Sync responses stored.
+    pub syncs: AtomicU64,
+    /// Deliveries stored (new seqs).
+    pub delivered: AtomicU64,
+    /// Events that could not be decrypted.
+    pub undecryptable: AtomicU64,
+    /// Gap fills run and events they fetched.
+    pub gap_fills: AtomicU64,
+    /// Events fetched by gap fills.
+    pub gap_events: AtomicU64,
+    /// Failed sync rounds.
+    pub errors: AtomicU64,
+    /// 429 answers.
+    pub rate_limited: AtomicU64,
+    /// Rounds skipped because the inbox was full.
+    pub held_back: AtomicU64,
+}
+
+/// Signals between the ear and her other tasks.
+#[derive(Debug, Default)]
+pub struct Signals {
+    /// New mail was stored.
+    pub mail: Notify,
+    /// Acks freed room in the inbox.
+    pub acked: Notify,
+}
+
+/// Why a sync round failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EarError {
+    /// The homeserver or the SDK failed.
+    #[error("sync: {0}")]
+    Matrix(#[from] matrix_sdk::Error),
+    /// The inbox failed.
+    #[error(transparent)]
+    Inbox(#[from] InboxError),
+    /// A blocking task panicked or was cancelled.
+    #[error("inbox task: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+type Timeline = VecDeque<(Option<String>, wire::docs::ContextLine)>;
+
+/// One Persona's ear.
+pub struct Ear {
+    persona: Persona,
+    client: Client,
+    inbox: Inbox,
+    me: Me,
+    timelines: HashMap<String, Timeline>,
+    signals: Arc<Signals>,
+    stats: Arc<EarStats>,
+}
+
+impl std::fmt::Debug for Ear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ear")
+            .field("persona", &self.persona.id)
+            .finish()
+    }
+}
+
+impl Ear {
+    /// An ear for `persona` over a connected client.
+    pub async fn new(
+        persona: Persona,
+        client: Client,
+        inbox: Inbox,
+        signals: Arc<Signals>,
+        stats: Arc<EarStats>,
+    ) -> Self {
+        let display_name = client.account().get_display_name().await.ok().flatten();
+        let me = Me {
+            user_id: persona.user_id.clone(),
+            display_name,
+        };
+        Self {
+            persona,
+            client,
+            inbox,
+            me,
+            timelines: HashMap::new(),
+            signals,
+            stats,
+        }
+    }
+
+    /// Runs sync rounds until `stop` turns true.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let round = async {
+                if self.is_full()? {
+                    self.stats.held_back.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::timeout(Duration::from_secs(5), self.signals.acked.notified())
+                        .await
+                        .ok();
+                    return Ok::<_, EarError>(());
+                }
+                self.round(SYNC_TIMEOUT).await.map(|_| ())
+            };
+            let result = tokio::select! {
+                r = round => r,
+                _ = stop.changed() => return,
+            };
+            match result {
+                Ok(()) => backoff.reset(),
+                Err(e) => {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    let retry_after = match &e {
+                        EarError::Matrix(m) => match classify(m) {
+                            Failure::Transient { retry_after } => {
+                                if retry_after.is_some() {
+                                    self.stats.rate_limited.fetch_add(1, Ordering::Relaxed);
+                                }
+                                retry_after
+                            }
+                            _ => None,
+                        },
+                        _ => None,
+                    };
+                    let wait = backoff.next(retry_after);
+                    tracing::warn!(persona = %self.persona.id, error = %e, ?wait, "sync round failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = stop.changed() => return,
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_full(&self) -> Result<bool, InboxError> {
+        Ok(self.inbox.counts(&self.persona.id)?.pending >= self.persona.limits.max_pending)
+    }
+
+    /// One sync round: sync from the stored token, store what it brought. Returns the number
+    /// of new deliveries.
+    pub async fn round(&mut self, timeout: Duration) -> Result<usize, EarError> {
+        let since = self.inbox.sync_token(&self.persona.id)?;
+        let mut filter = FilterDefinition::default();
+        filter.room.timeline.limit = UInt::new(self.persona.limits.fetch_limit as u64);
+        let settings = SyncSettings::default()
+            .timeout(timeout)
+            .filter(Filter::FilterDefinition(filter))
+            .token(match &since {
+                Some(t) => SyncToken::Specific(t.clone()),
+                None => SyncToken::NoToken,
+            });
+        let resp = self.client.sync_once(settings).await?;
+        for (room_id, invite) in &resp.rooms.invited {
+            self.consider_invite(room_id, invite).await;
+        }
+        let mut deliveries = Vec::new();
+        let mut lines = Vec::new();
+        for (room_id, update) in &resp.rooms.joined {
+            let Some(room) = self.client.get_room(room_id) else {
+                continue;
+            };
+            let info = RoomInfo {
+                room_id: room_id.to_string(),
+                alias: room.canonical_alias().map(|a| a.to_string()),
+                is_direct: room.is_direct().await.unwrap_or(false),
+            };
+            let mut events: Vec<(bool, Value)> = Vec::new();
+            if let (true, Some(since), Some(prev)) =
+                (update.timeline.limited, &since, &update.timeline.prev_batch)
+            {
+                events = self.gap_fill(&room, prev, since).await?;
+            }
+            for ev in &update.timeline.events {
+                let utd = matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. });
+                if let Ok(v) = serde_json::from_str::<Value>(ev.raw().json().get()) {
+                    events.push((utd, v));
+                }
+            }
+            self.timeline_loaded(&info.room_id)?;
+            for (utd, ev) in events {
+                let sender_name = self.sender_name(&room, &ev).await;
+                let id = ev
+                    .get("event_id")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let tl = self.timelines.entry(info.room_id.clone()).or_default();
+                let seen = tl.iter().any(|(_, l)| l.event_id == id);
+                if !seen {
+                    if let Some(line) = event::context_line(&ev, sender_name.clone()) {
+                        let thread = event::thread_of(&ev).map(str::to_owned);
+                        tl.push_back((thread.clone(), line.clone()));
+                        if tl.len() > TIMELINE_CAP {
+                            tl.pop_front();
+                        }
+                        lines.push(TimelineLine {
+                            room_id: info.room_id.clone(),
+                            thread,
+                            line,
+                        });
+                    }
+                }
+                if since.is_none() {
+                    continue;
+                }
+                if let Some(mut d) = event::delivery(&ev, &info, &self.me, sender_name) {
+                    if utd {
+                        self.stats.undecryptable.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(persona = %self.persona.id, event = %d.event_id, room = %info.room_id, "undecryptable event delivered as a placeholder");
+                    }
+                    d.context = event::context_for(
+                        tl.iter(),
+                        &d.event_id,
+                        d.thread_root.as_deref(),
+                        self.persona.limits.context_lines,
+                        self.persona.limits.context_bytes,
+                    );
+                    deliveries.push(d);
+                }
+            }
+        }
+        let inbox = self.inbox.clone();
+        let id = self.persona.id.clone();
+        let next = resp.next_batch.clone();
+        let assigned =
+            tokio::task::spawn_blocking(move || inbox.ingest_sync(&id, &next, &deliveries, &lines))
+                .await??;
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        if !assigned.is_empty() {
+            self.stats
+                .delivered
+                .fetch_add(assigned.len() as u64, Ordering::Relaxed);
+            tracing::debug!(persona = %self.persona.id, new = assigned.len(), "mail stored");
+            self.signals.mail.notify_one();
+        }
+        Ok(assigned.len())
+    }
+
+    /// Loads a room's stored timeline the first time the room is seen in this process.
+    fn timeline_loaded(&mut self, room_id: &str) -> Result<(), InboxError> {
+        if !self.timelines.contains_key(room_id) {
+            let stored = self.inbox.timeline(&self.persona.id, room_id)?;
+            self.timelines.insert(
+                room_id.to_owned(),
+                stored.into_iter().map(|l| (l.thread, l.line)).collect(),
+            );
+        }
+        Ok(())
+    }
+
+    async fn sender_name(&self, room: &Room, ev: &Value) -> Option<String> {
+        let sender = ev.get("sender")?.as_str()?;
+        let user = matrix_sdk::ruma::UserId::parse(sender).ok()?;
+        let member = room.get_member_no_sync(&user).await.ok()??;
+        member.display_name().map(str::to_owned)
+    }
+
+    /// Events between the previous token and a limited timeline's start, oldest first.
+    async fn gap_fill(
+        &self,
+        room: &Room,
+        prev_batch: &str,
+        since: &str,
+    ) -> Result<Vec<(bool, Value)>, EarError> {
+        let limits = &self.persona.limits;
+        let mut out = Vec::new();
+        let mut from = prev_batch.to_owned();
+        loop {
+            let mut opts = MessagesOptions::backward().from(from.as_str());
+            opts.to = Some(since.to_owned());
+            opts.limit = UInt::new(limits.fetch_limit.min(1000) as u64).unwrap_or_default();
+            let page = room.messages(opts).await?;
+            let n = page.chunk.len();
+            for ev in page.chunk {
+                let utd = matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. });
+                if let Ok(v) = serde_json::from_str::<Value>(ev.raw().json().get()) {
+                    out.push((utd, v));
+                }
+            }
+            match page.end {
+                Some(end) if n > 0 && out.len() < limits.gap_fill_max => from = end,
+                Some(_) if out.len() >= limits.gap_fill_max => {
+                    tracing::warn!(persona = %self.persona.id, room = %room.room_id(), max = limits.gap_fill_max,
+                        "gap larger than gap_fill_max; older events of this gap are not mail");
+                    break;
+                }
+                _ => break,
+            }
+        }
+        out.truncate(limits.gap_fill_max);
+        out.reverse();
+        self.stats.gap_fills.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .gap_events
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
+        tracing::info!(persona = %self.persona.id, room = %room.room_id(), events = out.len(), "gap filled");
+        Ok(out)
+    }
+
+    async fn consider_invite(&self, room_id: &OwnedRoomId, invite: &InvitedRoom) {
+        let inviter = invite.invite_state.events.iter().find_map(|raw| {
+            let v: Value = serde_json::from_str(raw.json().get()).ok()?;
+            (v.get("type")?.as_str()? == "m.room.member"
+                && v.get("state_key")?.as_str()? == self.me.user_id)
+                .then(|| v.get("sender")?.as_str().map(str::to_owned))?
+        });
+        match inviter {
+            Some(who) if self.persona.operators.contains(&who) => {
+                match self.client.join_room_by_id(room_id).await {
+                    Ok(_) => {
+                        tracing::info!(persona = %self.persona.id, room = %room_id, inviter = %who, "joined an operator's invite")
+                    }
+                    Err(e) => {
+                        tracing::warn!(persona = %self.persona.id, room = %room_id, error = %e, "joining an operator's invite failed; retried on the next sync")
+                    }
+                }
+            }
+            other => {
+                tracing::info!(persona = %self.persona.id, room = %room_id, inviter = ?other, "invite from a non-operator ignored")
+            }
+        }
+    }
+}
+
+/// Joins her configured rooms; returns the resolved room ids and, per room that failed, why.
+pub async fn join_configured(
+    client: &Client,
+    persona: &Persona,
+) -> (HashMap<String, OwnedRoomId>, Vec<(String, String)>) {
+    let mut joined = HashMap::new();
+    let mut failed = Vec::new();
+    for name in &persona.rooms {
+        let resolved = if name.starts_with('#') {
+            match matrix_sdk::ruma::RoomAliasId::parse(name) {
+                Ok(alias) => client
+                    .resolve_room_alias(&alias)
+                    .await
+                    .map(|r| r.room_id)
+                    .map_err(|e| format!("alias {name} does not resolve: {e}")),
+                Err(e) => Err(format!("{name} is not a room alias: {e}")),
+            }
+        } else {
+            OwnedRoomId::try_from(name.as_str())
+                .map_err(|e| format!("{name} is not a room id: {e}"))
+        };
+        let joined_room = match resolved {
+            Ok(id) => client
+                .join_room_by_id(&id)
+                .await
+                .map(|_| id)
+                .map_err(|e| format!("joining {name} failed: {e}")),
+            Err(e) => Err(e),
+        };
+        match joined_room {
+            Ok(id) => {
+                joined.insert(name.clone(), id);
+            }
+            Err(why) => {
+                tracing::error!(persona = %persona.id, room = %name, "{why}");
+                failed.push((name.clone(), why));
+            }
+        }
+    }
+    (joined, failed)
+}

@@ -1,0 +1,276 @@
+//! Matrix room events -> deliveries and context lines: pure functions over the event JSON, so
+//! every rule is tested without a homeserver (the ear feeds them what the SDK decrypted).
+//!
+//! Only `m.room.message` events become mail. Rules:
+//! - kind: `m.text`, `m.notice`, `m.emote`; images, files, audio and video are `media` with
+//!   their description (body, or the file name) as text; an `m.replace` relation is an `edit`
+//!   of the event it names, carrying the new text.
+//! - `toYou`: any message in a DM; an `m.mentions` naming her (or `room: true`); her display
+//!   name or localpart in the body as a word.
+//! - thread root from an `m.thread` relation; reply-to from `m.in_reply_to` (a thread's
+//!   fallback reply is not a reply); the quoted fallback of a reply is cut from the text.
+//! - her own events and redacted (bodiless) events are not mail.
+
+use serde_json::Value;
+use wire::docs::{ContextLine, Delivery, DeliveryKind};
+
+/// Who she is, for `toYou` and for skipping her own events.
+#[derive(Debug, Clone)]
+pub struct Me {
+    /// Her user id.
+    pub user_id: String,
+    /// Her display name, when set (matched case-insensitively as a word).
+    pub display_name: Option<String>,
+}
+
+impl Me {
+    fn localpart(&self) -> &str {
+        self.user_id
+            .trim_start_matches('@')
+            .split(':')
+            .next()
+            .unwrap_or_default()
+    }
+}
+
+/// What the ear knows of the room an event came from.
+#[derive(Debug, Clone, Default)]
+pub struct RoomInfo {
+    /// Room id.
+    pub room_id: String,
+    /// Canonical alias, when set.
+    pub alias: Option<String>,
+    /// A DM.
+    pub is_direct: bool,
+}
+
+/// Placeholder text for an event that could not be decrypted (it is delivered, counted and
+/// logged, never dropped silently).
+pub const UNDECRYPTABLE: &str = "(this message could not be decrypted)";
+
+fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
+    let mut cur = v;
+    for p in path {
+        cur = cur.get(p)?;
+    }
+    cur.as_str()
+}
+
+/// Drops the `> ` quoted fallback lines a reply's body begins with.
+fn strip_reply_fallback(body: &str) -> &str {
+    if !body.starts_with("> ") {
+        return body;
+    }
+    let mut rest = body;
+    while rest.starts_with('>') {
+        match rest.split_once('\n') {
+            Some((_, tail)) => rest = tail,
+            None => return "",
+        }
+    }
+    rest.trim_start_matches('\n')
+}
+
+/// Whether `needle` occurs in `hay` as a whole word (case-insensitive).
+fn has_word(hay: &str, needle: &str) -> bool {
+    if needle.is_empty() {
+        return false;
+    }
+    let hay = hay.to_lowercase();
+    let needle = needle.to_lowercase();
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    hay.match_indices(&needle).any(|(i, m)| {
+        !word(hay[..i].chars().next_back()) && !word(hay[i + m.len()..].chars().next())
+    })
+}
+
+/// The text a message shows: for edits the new content, for replies without their fallback,
+/// for media the description.
+fn message_text(content: &Value) -> Option<(DeliveryKind, String)> {
+    let (kind, shown) = match str_at(content, &["m.relates_to", "rel_type"]) {
+        Some("m.replace") => (
+            DeliveryKind::Edit,
+            content.get("m.new_content").unwrap_or(content),
+        ),
+        _ => (DeliveryKind::Text, content),
+    };
+    let body = str_at(shown, &["body"])?;
+    let msgtype = str_at(shown, &["msgtype"]).unwrap_or("m.text");
+    let kind = match (kind, msgtype) {
+        (DeliveryKind::Edit, _) => DeliveryKind::Edit,
+        (_, "m.text") => DeliveryKind::Text,
+        (_, "m.notice") => DeliveryKind::Notice,
+        (_, "m.emote") => DeliveryKind::Emote,
+        (_, "m.image" | "m.file" | "m.audio" | "m.video") => DeliveryKind::Media,
+        _ => DeliveryKind::Unknown,
+    };
+    let text = if kind == DeliveryKind::Media {
+        let file = str_at(shown, &["filename"]).unwrap_or(body);
+        if file != body {
+            format!("[{msgtype} {file}] {body}")
+        } else {
+            format!("[{msgtype}] {body}")
+        }
+    } else if content.pointer("/m.relates_to/m.in_reply_to").is_some() {
+        strip_reply_fallback(body).to_owned()
+    } else {
+        body.to_owned()
+    };
+    Some((kind, text))
+}
+
+/// The context line an event contributes to its room's recent timeline (her own lines
+/// included), or `None` for events that are not messages.
+pub fn context_line(ev: &Value, sender_name: Option<String>) -> Option<ContextLine> {
+    if str_at(ev, &["type"]) != Some("m.room.message") {
+        return None;
+    }
+    let (_, text) = message_text(ev.get("content")?)?;
+    Some(ContextLine {
+        event_id: str_at(ev, &["event_id"])?.to_owned(),
+        sender: str_at(ev, &["sender"])?.to_owned(),
+        sender_name,
+        ts: ev.get("origin_server_ts").and_then(Value::as_i64)?,
+        text,
+    })
+}
+
+/// The thread an event belongs to, if any.
+pub fn thread_of(ev: &Value) -> Option<&str> {
+    match str_at(ev, &["content", "m.relates_to", "rel_type"]) {
+        Some("m.thread") => str_at(ev, &["content", "m.relates_to", "event_id"]),
+        _ => None,
+    }
+}
+
+/// The delivery an event makes for her, or `None` when it is not mail (not a message, her
+/// own, redacted). `seq`, `persona` and `context` are filled in by the caller.
+pub fn delivery(
+    ev: &Value,
+    room: &RoomInfo,
+    me: &Me,
+    sender_name: Option<String>,
+) -> Option<Delivery> {
+    let sender = str_at(ev, &["sender"])?;
+    if sender == me.user_id {
+        return None;
+    }
+    let event_id = str_at(ev, &["event_id"])?.to_owned();
+    let ts = ev
+        .get("origin_server_ts")
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    let base = Delivery {
+        room_id: room.room_id.clone(),
+        room_alias: room.alias.clone(),
+        is_direct: room.is_direct,
+        event_id,
+        sender: sender.to_owned(),
+        sender_name,
+        ts,
+        ..Delivery::default()
+    };
+    match str_at(ev, &["type"])? {
+        "m.room.message" => {}
+        "m.room.encrypted" => {
+            return Some(Delivery {
+                kind: DeliveryKind::Unknown,
+                text: UNDECRYPTABLE.to_owned(),
+                to_you: room.is_direct,
+                ..base
+            })
+        }
+        _ => return None,
+    }
+    let content = ev.get("content")?;
+    let (kind, text) = message_text(content)?;
+    let rel = content.get("m.relates_to");
+    let rel_type = rel.and_then(|r| str_at(r, &["rel_type"]));
+    let thread_root = (rel_type == Some("m.thread"))
+        .then(|| {
+            rel.and_then(|r| str_at(r, &["event_id"]))
+                .map(str::to_owned)
+        })
+        .flatten();
+    let falling_back = rel
+        .and_then(|r| r.get("is_falling_back"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let reply_to = rel
+        .and_then(|r| str_at(r, &["m.in_reply_to", "event_id"]))
+        .filter(|_| !(thread_root.is_some() && falling_back))
+        .map(str::to_owned);
+    let edit_of = (rel_type == Some("m.replace"))
+        .then(|| {
+            rel.and_then(|r| str_at(r, &["event_id"]))
+                .map(str::to_owned)
+        })
+        .flatten();
+    let mentions_v = content.get("m.mentions");
+    let mentions: Vec<String> = mentions_v
+        .and_then(|m| m.get("user_ids"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    let room_mention = mentions_v
+        .and_then(|m| m.get("room"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let named = has_word(&text, me.localpart())
+        || me
+            .display_name
+            .as_deref()
+            .is_some_and(|n| has_word(&text, n));
+    let to_you = room.is_direct || room_mention || mentions.contains(&me.user_id) || named;
+    Some(Delivery {
+        kind,
+        text,
+        to_you,
+        mentions,
+        thread_root,
+        reply_to,
+        edit_of,
+        ..base
+    })
+}
+
+/// Up to `max_lines` / `max_bytes` of the lines before `event_id` (oldest first); for a
+/// thread message, only that thread's root and replies.
+pub fn context_for<'a>(
+    timeline: impl DoubleEndedIterator<Item = &'a (Option<String>, ContextLine)>,
+    event_id: &str,
+    thread_root: Option<&str>,
+    max_lines: usize,
+    max_bytes: usize,
+) -> Vec<ContextLine> {
+    let mut out = Vec::new();
+    let mut bytes = 0;
+    let mut before = false;
+    for (thread, line) in timeline.rev() {
+        if !before {
+            before = line.event_id == event_id;
+            continue;
+        }
+        if let Some(root) = thread_root {
+            if thread.as_deref() != Some(root) && line.event_id != root {
+                continue;
+            }
+        }
+        let size = line.text.len() + line.sender.len();
+        if out.len() >= max_lines || bytes + size > max_bytes {
+            break;
+        }
+        bytes += size;
+        out.push(line.clone());
+    }
+    out.reverse();
+    out
+}
+
+#[cfg(test)]
+mod tests;

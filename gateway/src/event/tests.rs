@@ -1,0 +1,174 @@
+use serde_json::json;
+
+use super::*;
+
+fn me() -> Me {
+    Me {
+        user_id: "@vera:localhost".into(),
+        display_name: Some("Vera Lux".into()),
+    }
+}
+
+fn room(dm: bool) -> RoomInfo {
+    RoomInfo {
+        room_id: "!r".into(),
+        alias: Some("#hall:localhost".into()),
+        is_direct: dm,
+    }
+}
+
+fn msg(content: serde_json::Value) -> serde_json::Value {
+    json!({"type": "m.room.message", "event_id": "$e1", "sender": "@ann:localhost",
+           "origin_server_ts": 1700000000000i64, "content": content})
+}
+
+fn d(content: serde_json::Value) -> Delivery {
+    delivery(&msg(content), &room(false), &me(), None).expect("a delivery")
+}
+
+#[test]
+fn plain_text_in_a_room_is_not_to_her() {
+    let x = d(json!({"msgtype": "m.text", "body": "the weather is fine"}));
+    assert_eq!(x.kind, DeliveryKind::Text);
+    assert_eq!(x.text, "the weather is fine");
+    assert!(!x.to_you);
+    assert_eq!(x.room_alias.as_deref(), Some("#hall:localhost"));
+    assert_eq!(x.ts, 1700000000000);
+    assert_eq!((x.thread_root, x.reply_to, x.edit_of), (None, None, None));
+}
+
+#[test]
+fn kinds_follow_msgtype() {
+    assert_eq!(
+        d(json!({"msgtype": "m.notice", "body": "n"})).kind,
+        DeliveryKind::Notice
+    );
+    assert_eq!(
+        d(json!({"msgtype": "m.emote", "body": "waves"})).kind,
+        DeliveryKind::Emote
+    );
+    assert_eq!(
+        d(json!({"msgtype": "m.location", "body": "x"})).kind,
+        DeliveryKind::Unknown
+    );
+    let img = d(
+        json!({"msgtype": "m.image", "body": "a red door", "filename": "door.png",
+                       "url": "mxc://x/y"}),
+    );
+    assert_eq!(img.kind, DeliveryKind::Media);
+    assert_eq!(img.text, "[m.image door.png] a red door");
+    let file = d(json!({"msgtype": "m.file", "body": "notes.txt"}));
+    assert_eq!(file.text, "[m.file] notes.txt");
+}
+
+#[test]
+fn mentions_name_and_dm_make_to_you() {
+    let m = d(json!({"msgtype": "m.text", "body": "hey V",
+                     "m.mentions": {"user_ids": ["@vera:localhost", "@bob:localhost"]}}));
+    assert!(m.to_you);
+    assert_eq!(m.mentions, vec!["@vera:localhost", "@bob:localhost"]);
+    assert!(!d(json!({"msgtype": "m.text", "body": "hi", "m.mentions": {"user_ids": ["@bob:localhost"]}})).to_you);
+    assert!(d(json!({"msgtype": "m.text", "body": "all", "m.mentions": {"room": true}})).to_you);
+    assert!(d(json!({"msgtype": "m.text", "body": "ask vera about it"})).to_you);
+    assert!(d(json!({"msgtype": "m.text", "body": "Vera Lux, hello"})).to_you);
+    // A name inside another word is not an address.
+    assert!(!d(json!({"msgtype": "m.text", "body": "veranda chairs"})).to_you);
+    let dm = delivery(
+        &msg(json!({"msgtype": "m.text", "body": "hi"})),
+        &room(true),
+        &me(),
+        None,
+    )
+    .unwrap();
+    assert!(dm.to_you && dm.is_direct);
+}
+
+#[test]
+fn threads_replies_and_edits() {
+    let t = d(json!({"msgtype": "m.text", "body": "in thread",
+        "m.relates_to": {"rel_type": "m.thread", "event_id": "$root", "is_falling_back": true,
+                         "m.in_reply_to": {"event_id": "$prev"}}}));
+    assert_eq!(t.thread_root.as_deref(), Some("$root"));
+    assert_eq!(t.reply_to, None, "a thread's fallback reply is not a reply");
+    let tr = d(json!({"msgtype": "m.text", "body": "x",
+        "m.relates_to": {"rel_type": "m.thread", "event_id": "$root", "is_falling_back": false,
+                         "m.in_reply_to": {"event_id": "$prev"}}}));
+    assert_eq!(tr.reply_to.as_deref(), Some("$prev"));
+    let r = d(
+        json!({"msgtype": "m.text", "body": "> <@bob:localhost> earlier\n> more\n\nmy answer",
+        "m.relates_to": {"m.in_reply_to": {"event_id": "$q"}}}),
+    );
+    assert_eq!(r.reply_to.as_deref(), Some("$q"));
+    assert_eq!(r.text, "my answer");
+    let e = d(json!({"msgtype": "m.text", "body": "* fixed",
+        "m.new_content": {"msgtype": "m.text", "body": "fixed"},
+        "m.relates_to": {"rel_type": "m.replace", "event_id": "$old"}}));
+    assert_eq!(e.kind, DeliveryKind::Edit);
+    assert_eq!(e.edit_of.as_deref(), Some("$old"));
+    assert_eq!(e.text, "fixed");
+}
+
+#[test]
+fn her_own_redacted_and_state_events_are_not_mail() {
+    let mut own = msg(json!({"msgtype": "m.text", "body": "mine"}));
+    own["sender"] = json!("@vera:localhost");
+    assert!(delivery(&own, &room(false), &me(), None).is_none());
+    assert!(delivery(&msg(json!({})), &room(false), &me(), None).is_none());
+    let state = json!({"type": "m.room.member", "event_id": "$m", "sender": "@ann:localhost",
+                       "state_key": "@ann:localhost", "content": {"membership": "join"}});
+    assert!(delivery(&state, &room(false), &me(), None).is_none());
+    assert!(context_line(&state, None).is_none());
+    // Her own lines are context, though.
+    assert_eq!(context_line(&own, None).unwrap().text, "mine");
+}
+
+#[test]
+fn undecryptable_events_are_delivered_flagged() {
+    let ev = json!({"type": "m.room.encrypted", "event_id": "$x", "sender": "@op:localhost",
+                    "origin_server_ts": 5, "content": {"algorithm": "m.megolm.v1.aes-sha2"}});
+    let x = delivery(&ev, &room(true), &me(), None).unwrap();
+    assert_eq!(x.kind, DeliveryKind::Unknown);
+    assert_eq!(x.text, UNDECRYPTABLE);
+}
+
+fn line(id: &str, text: &str, thread: Option<&str>) -> (Option<String>, ContextLine) {
+    (
+        thread.map(str::to_owned),
+        ContextLine {
+            event_id: id.into(),
+            sender: "@a:l".into(),
+            sender_name: None,
+            ts: 0,
+            text: text.into(),
+        },
+    )
+}
+
+#[test]
+fn context_is_the_lines_before_bounded_and_thread_scoped() {
+    let tl = [
+        line("$1", "one", None),
+        line("$root", "root", None),
+        line("$2", "two", None),
+        line("$t1", "t-one", Some("$root")),
+        line("$3", "three", None),
+        line("$t2", "t-two", Some("$root")),
+    ];
+    let ids = |v: Vec<ContextLine>| v.into_iter().map(|l| l.event_id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(context_for(tl.iter(), "$3", None, 20, 10_000)),
+        ["$1", "$root", "$2", "$t1"]
+    );
+    assert_eq!(
+        ids(context_for(tl.iter(), "$3", None, 2, 10_000)),
+        ["$2", "$t1"]
+    );
+    assert_eq!(
+        ids(context_for(tl.iter(), "$t2", Some("$root"), 20, 10_000)),
+        ["$root", "$t1"]
+    );
+    // Byte cap: a line costs text + sender: "$t1" 9, "$2" 7.
+    assert_eq!(ids(context_for(tl.iter(), "$3", None, 20, 15)), ["$t1"]);
+    assert!(context_for(tl.iter(), "$missing", None, 20, 10_000).is_empty());
+    assert!(context_for(tl.iter(), "$1", None, 20, 10_000).is_empty());
+}

@@ -1,0 +1,373 @@
+//! The mouth: sends a Persona's messages to Matrix exactly once.
+//!
+//! A send request's receipt is stored when the event exists; a repeated request id is
+//! answered from the store without a request. The Matrix transaction id is derived from the
+//! Persona and the request id, and her device id is stable, so even a crash between the PUT
+//! and storing the receipt makes one event (Synapse answers the repeated PUT with the first
+//! event id). Sends only to rooms she has joined; 429 and 5xx are retried with backoff, a
+//! bounded number of times; permanent Matrix errors come back with their errcode.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use matrix_sdk::ruma::api::client::receipt::create_receipt::v3::ReceiptType;
+use matrix_sdk::ruma::events::receipt::ReceiptThread;
+use matrix_sdk::ruma::{OwnedEventId, OwnedRoomId, OwnedTransactionId, RoomAliasId};
+use matrix_sdk::{Client, Room, RoomState};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::Mutex;
+use wire::docs::{SendReceipt, SendRequest, Status};
+
+use crate::inbox::Inbox;
+use crate::matrix::{classify, Backoff, Failure};
+
+/// The largest text the mouth sends (bytes). Matrix events are capped at 64 KiB, and an
+/// encrypted room's ciphertext is base64, a third larger than the plain event.
+pub const MAX_TEXT_BYTES: usize = 32 * 1024;
+
+/// Attempts per send before it fails with [`MouthError::Exhausted`].
+pub const MAX_ATTEMPTS: u32 = 6;
+
+/// Why a send did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MouthError {
+    /// The text is empty or over [`MAX_TEXT_BYTES`].
+    #[error("text of {bytes} bytes is outside 1..={max}")]
+    BadSize {
+        /// Its size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The room does not resolve.
+    #[error("unknown room {room}: {why}")]
+    UnknownRoom {
+        /// As asked.
+        room: String,
+        /// Why.
+        why: String,
+    },
+    /// She is not joined there.
+    #[error("she is not in room {room}")]
+    NotHerRoom {
+        /// As asked.
+        room: String,
+    },
+    /// The homeserver refused for good.
+    #[error("homeserver refused ({status} {errcode}): {message}")]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// Matrix errcode.
+        errcode: String,
+        /// Message.
+        message: String,
+    },
+    /// The token was rejected.
+    #[error("homeserver rejected her token ({errcode})")]
+    Unauthorized {
+        /// Matrix errcode.
+        errcode: String,
+    },
+    /// Retries ran out (homeserver down, rate limited for long).
+    #[error("gave up after {attempts} attempts: {last}")]
+    Exhausted {
+        /// Attempts made.
+        attempts: u32,
+        /// The last error.
+        last: String,
+    },
+    /// The receipt store failed.
+    #[error("receipt store: {0}")]
+    Store(String),
+}
+
+impl MouthError {
+    /// Whether repeating the same request could succeed.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Self::BadSize { .. }
+                | Self::UnknownRoom { .. }
+                | Self::NotHerRoom { .. }
+                | Self::Refused { .. }
+        )
+    }
+}
+
+/// The Matrix transaction id for a Persona's request: stable across retries, restarts and
+/// crashes, distinct per Persona, and free of characters a URL path would need escaped.
+pub fn txn_id(persona: &str, request_id: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(persona.as_bytes());
+    h.update([0]);
+    h.update(request_id.as_bytes());
+    let digest = h.finalize();
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("cg1-{hex}")
+}
+
+/// The `m.room.message` content for a send: plain text, in a thread and/or replying.
+pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) -> Value {
+    let mut c = json!({"msgtype": "m.text", "body": text});
+    match (thread_root, reply_to) {
+        (Some(root), reply) => {
+            c["m.relates_to"] = json!({
+                "rel_type": "m.thread",
+                "event_id": root,
+                "is_falling_back": reply.is_none(),
+                "m.in_reply_to": {"event_id": reply.unwrap_or(root)},
+            });
+        }
+        (None, Some(reply)) => {
+            c["m.relates_to"] = json!({"m.in_reply_to": {"event_id": reply}});
+        }
+        (None, None) => {}
+    }
+    c
+}
+
+/// One Persona's mouth.
+#[derive(Clone)]
+pub struct Mouth {
+    persona: String,
+    client: Client,
+    inbox: Inbox,
+    rooms: Arc<Mutex<HashMap<String, OwnedRoomId>>>,
+    retry_floor: Duration,
+}
+
+impl std::fmt::Debug for Mouth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mouth")
+            .field("persona", &self.persona)
+            .finish()
+    }
+}
+
+impl Mouth {
+    /// A mouth for `persona`; `rooms` maps configured names (aliases) to room ids.
+    pub fn new(
+        persona: &str,
+        client: Client,
+        inbox: Inbox,
+        rooms: HashMap<String, OwnedRoomId>,
+    ) -> Self {
+        Self {
+            persona: persona.to_owned(),
+            client,
+            inbox,
+            rooms: Arc::new(Mutex::new(rooms)),
+            retry_floor: Duration::from_millis(500),
+        }
+    }
+
+    /// Sends (at most once per request id) and answers with the receipt.
+    pub async fn send(&self, req: &SendRequest) -> SendReceipt {
+        match self.try_send(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(persona = %self.persona, request = %req.request_id, error = %e, "send failed");
+                SendReceipt {
+                    request_id: req.request_id.clone(),
+                    status: if e.is_permanent() {
+                        Status::Rejected
+                    } else {
+                        Status::Failed
+                    },
+                    error: Some(e.to_string()),
+                    ..SendReceipt::default()
+                }
+            }
+        }
+    }
+
+    /// [`Mouth::send`] with the failure typed.
+    pub async fn try_send(&self, req: &SendRequest) -> Result<SendReceipt, MouthError> {
+        let store = |e: crate::inbox::InboxError| MouthError::Store(e.to_string());
+        if let Some(r) = self
+            .inbox
+            .receipt(&self.persona, &req.request_id)
+            .map_err(store)?
+        {
+            return Ok(r);
+        }
+        if req.text.is_empty() || req.text.len() > MAX_TEXT_BYTES {
+            return Err(MouthError::BadSize {
+                bytes: req.text.len(),
+                max: MAX_TEXT_BYTES,
+            });
+        }
+        let room = self.joined_room(&req.room).await?;
+        let txn = OwnedTransactionId::from(txn_id(&self.persona, &req.request_id));
+        let body = content(
+            &req.text,
+            req.thread_root.as_deref(),
+            req.reply_to.as_deref(),
+        );
+        let mut backoff = Backoff::new(self.retry_floor, Duration::from_secs(8));
+        let mut attempt = 0;
+        let event_id = loop {
+            attempt += 1;
+            match room
+                .send_raw("m.room.message", &body)
+                .with_transaction_id(&txn)
+                .await
+            {
+                Ok(r) => break r.response.event_id,
+                Err(e) => match classify(&e) {
+                    Failure::Permanent {
+                        status,
+                        errcode,
+                        message,
+                    } => {
+                        return Err(MouthError::Refused {
+                            status,
+                            errcode,
+                            message,
+                        })
+                    }
+                    Failure::Unauthorized { errcode } => {
+                        return Err(MouthError::Unauthorized { errcode })
+                    }
+                    Failure::Transient { retry_after } => {
+                        if attempt >= MAX_ATTEMPTS {
+                            return Err(MouthError::Exhausted {
+                                attempts: attempt,
+                                last: e.to_string(),
+                            });
+                        }
+                        let wait = backoff.next(retry_after);
+                        tracing::debug!(persona = %self.persona, error = %e, ?wait, "send retried");
+                        tokio::time::sleep(wait).await;
+                    }
+                },
+            }
+        };
+        let receipt = SendReceipt {
+            request_id: req.request_id.clone(),
+            status: Status::Ok,
+            event_id: Some(event_id.to_string()),
+            room_id: Some(room.room_id().to_string()),
+            error: None,
+        };
+        let inbox = self.inbox.clone();
+        let persona = self.persona.clone();
+        let stored = receipt.clone();
+        tokio::task::spawn_blocking(move || inbox.store_receipt(&persona, &stored))
+            .await
+            .map_err(|e| MouthError::Store(e.to_string()))?
+            .map_err(store)?;
+        tracing::info!(persona = %self.persona, request = %req.request_id, event = %event_id, "sent");
+        Ok(receipt)
+    }
+
+    /// Resolves an alias or id to a room she has joined.
+    pub async fn joined_room(&self, name: &str) -> Result<Room, MouthError> {
+        let unknown = |why: String| MouthError::UnknownRoom {
+            room: name.to_owned(),
+            why,
+        };
+        let cached = self.rooms.lock().await.get(name).cloned();
+        let id = match cached {
+            Some(id) => id,
+            None if name.starts_with('#') => {
+                let alias = RoomAliasId::parse(name).map_err(|e| unknown(e.to_string()))?;
+                let id = self
+                    .client
+                    .resolve_room_alias(&alias)
+                    .await
+                    .map_err(|e| unknown(e.to_string()))?
+                    .room_id;
+                self.rooms.lock().await.insert(name.to_owned(), id.clone());
+                id
+            }
+            None => OwnedRoomId::try_from(name).map_err(|e| unknown(e.to_string()))?,
+        };
+        match self.client.get_room(&id) {
+            Some(room) if room.state() == RoomState::Joined => Ok(room),
+            _ => Err(MouthError::NotHerRoom {
+                room: name.to_owned(),
+            }),
+        }
+    }
+
+    /// Typing notice on or off (best effort: a failure is logged).
+    pub async fn typing(&self, room_id: &str, on: bool) {
+        if let Ok(room) = self.joined_room(room_id).await {
+            if let Err(e) = room.typing_notice(on).await {
+                tracing::debug!(persona = %self.persona, error = %e, "typing notice failed");
+            }
+        }
+    }
+
+    /// Read receipt on an event (best effort: a failure is logged).
+    pub async fn read_receipt(&self, room_id: &str, event_id: &str) {
+        let Ok(event) = OwnedEventId::try_from(event_id) else {
+            return;
+        };
+        if let Ok(room) = self.joined_room(room_id).await {
+            if let Err(e) = room
+                .send_single_receipt(ReceiptType::Read, ReceiptThread::Unthreaded, event)
+                .await
+            {
+                tracing::debug!(persona = %self.persona, error = %e, "read receipt failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn txn_ids_are_stable_distinct_and_path_safe() {
+        let a = txn_id("vera", "batch-7-0");
+        assert_eq!(a, txn_id("vera", "batch-7-0"));
+        assert_ne!(a, txn_id("vera", "batch-7-1"));
+        assert_ne!(a, txn_id("mira", "batch-7-0"));
+        // The separator keeps ("ab", "c") and ("a", "bc") apart.
+        assert_ne!(txn_id("ab", "c"), txn_id("a", "bc"));
+        assert!(a.starts_with("cg1-") && a.len() == 36);
+        assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'));
+    }
+
+    #[test]
+    fn content_carries_threads_and_replies() {
+        assert_eq!(
+            content("hi", None, None),
+            json!({"msgtype": "m.text", "body": "hi"})
+        );
+        let r = content("hi", None, Some("$q"));
+        assert_eq!(
+            r["m.relates_to"],
+            json!({"m.in_reply_to": {"event_id": "$q"}})
+        );
+        let t = content("hi", Some("$root"), None);
+        assert_eq!(t["m.relates_to"]["rel_type"], "m.thread");
+        assert_eq!(t["m.relates_to"]["is_falling_back"], true);
+        assert_eq!(t["m.relates_to"]["m.in_reply_to"]["event_id"], "$root");
+        let tr = content("hi", Some("$root"), Some("$q"));
+        assert_eq!(tr["m.relates_to"]["is_falling_back"], false);
+        assert_eq!(tr["m.relates_to"]["m.in_reply_to"]["event_id"], "$q");
+    }
+
+    #[test]
+    fn permanence_decides_rejected_or_failed() {
+        assert!(MouthError::NotHerRoom { room: "x".into() }.is_permanent());
+        assert!(MouthError::BadSize { bytes: 0, max: 1 }.is_permanent());
+        assert!(!MouthError::Exhausted {
+            attempts: 6,
+            last: String::new()
+        }
+        .is_permanent());
+        assert!(!MouthError::Unauthorized {
+            errcode: "M_UNKNOWN_TOKEN".into()
+        }
+        .is_permanent());
+    }
+}
