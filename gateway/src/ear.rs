@@ -6,7 +6,8 @@
 //! ([`Inbox::ingest_sync`]). Only then is the new token used. So a crash anywhere replays the
 //! response, and the event-id index drops what was already stored.
 //!
-//! - The first sync (no stored token) seeds the room timelines and makes no mail.
+//! - The first sync (no stored token) seeds the room timelines and makes no mail; in a room
+//!   she joins later, the events before her join are history (context, not mail).
 //! - A `limited` timeline is gap-filled backwards from its `prev_batch` down to the previous
 //!   token, at most `gap_fill_max` events; if the fill fails the round fails and is retried
 //!   from the old token, so nothing is skipped.
@@ -207,20 +208,31 @@ impl Ear {
                 alias: room.canonical_alias().map(|a| a.to_string()),
                 is_direct: room.is_direct().await.unwrap_or(false),
             };
-            let mut events: Vec<(bool, Value)> = Vec::new();
-            if let (true, Some(since), Some(prev)) =
-                (update.timeline.limited, &since, &update.timeline.prev_batch)
-            {
-                events = self.gap_fill(&room, prev, since).await?;
-            }
+            let mut fresh: Vec<(bool, Value)> = Vec::new();
             for ev in &update.timeline.events {
                 let utd = matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. });
                 if let Ok(v) = serde_json::from_str::<Value>(ev.raw().json().get()) {
-                    events.push((utd, v));
+                    fresh.push((utd, v));
                 }
             }
+            // In a room she joined in this response, what precedes her join is history:
+            // context, not mail, and no gap fill reaches back before it.
+            let joined_at = fresh
+                .iter()
+                .rposition(|(_, ev)| event::is_own_join(ev, &self.me));
+            let mut events: Vec<(bool, Value)> = Vec::new();
+            if let (true, None, Some(since), Some(prev)) = (
+                update.timeline.limited,
+                joined_at,
+                &since,
+                &update.timeline.prev_batch,
+            ) {
+                events = self.gap_fill(&room, prev, since).await?;
+            }
+            let mail_from = events.len() + joined_at.map_or(0, |i| i + 1);
+            events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
-            for (utd, ev) in events {
+            for (i, (utd, ev)) in events.into_iter().enumerate() {
                 let sender_name = self.sender_name(&room, &ev).await;
                 let id = ev
                     .get("event_id")
@@ -242,7 +254,7 @@ impl Ear {
                         });
                     }
                 }
-                if since.is_none() {
+                if since.is_none() || i < mail_from {
                     continue;
                 }
                 if let Some(mut d) = event::delivery(&ev, &info, &self.me, sender_name) {

@@ -135,6 +135,15 @@ pub fn context_line(ev: &Value, sender_name: Option<String>) -> Option<ContextLi
     })
 }
 
+/// Whether `ev` is her own joining of the room (not a profile change while joined): what
+/// comes before it in a timeline is history, context but not mail.
+pub fn is_own_join(ev: &Value, me: &Me) -> bool {
+    str_at(ev, &["type"]) == Some("m.room.member")
+        && str_at(ev, &["state_key"]) == Some(me.user_id.as_str())
+        && str_at(ev, &["content", "membership"]) == Some("join")
+        && str_at(ev, &["unsigned", "prev_content", "membership"]) != Some("join")
+}
+
 /// The thread an event belongs to, if any.
 pub fn thread_of(ev: &Value) -> Option<&str> {
     match str_at(ev, &["content", "m.relates_to", "rel_type"]) {

@@ -4,11 +4,14 @@
 //!   these machines cannot reach the real one).
 //! - [`claude_cli`]: the pinned claude CLI, installed by `deploy/install-claude-cli.sh`.
 //! - [`synapse`]: a real Synapse homeserver on loopback, from `deploy/synapse/`.
+//! - [`matrix`]: Matrix users for tests (logins with chosen devices, an operator client that
+//!   speaks encrypted) and an in-process gateway for one Persona.
 //! - [`workload`]: the seeded reference workload of the session benchmark.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod claude_cli;
+pub mod matrix;
 pub mod mock_api;
 pub mod synapse;
 pub mod workload;

@@ -172,3 +172,19 @@ fn context_is_the_lines_before_bounded_and_thread_scoped() {
     assert!(context_for(tl.iter(), "$missing", None, 20, 10_000).is_empty());
     assert!(context_for(tl.iter(), "$1", None, 20, 10_000).is_empty());
 }
+
+#[test]
+fn her_join_is_told_from_a_profile_change() {
+    let join = json!({"type": "m.room.member", "state_key": "@vera:localhost", "sender": "@vera:localhost",
+                      "content": {"membership": "join"}});
+    assert!(is_own_join(&join, &me()));
+    let mut rename = join.clone();
+    rename["unsigned"] = json!({"prev_content": {"membership": "join", "displayname": "V"}});
+    assert!(!is_own_join(&rename, &me()));
+    let mut other = join.clone();
+    other["state_key"] = json!("@ann:localhost");
+    assert!(!is_own_join(&other, &me()));
+    let mut leave = join;
+    leave["content"]["membership"] = json!("leave");
+    assert!(!is_own_join(&leave, &me()));
+}

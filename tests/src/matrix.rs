@@ -1,0 +1,187 @@
+//! Matrix parts for end-to-end tests: password logins with a chosen device, a matrix-sdk
+//! client standing in for an operator's Element (persistent store, so it speaks encrypted),
+//! and a one-Persona gateway assembled from the `gateway` library (ear, mouth, inbox), which
+//! a test can stop and start again on the same state directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gateway::config::{Limits, Persona, Secret};
+use gateway::ear::{Ear, EarStats, Signals};
+use gateway::inbox::Inbox;
+use gateway::mouth::Mouth;
+use matrix_sdk::config::SyncSettings;
+use matrix_sdk::Client;
+use serde_json::{json, Value};
+
+/// Logs `user` in with `password` on device `device` and returns the access token (raw
+/// `/login`, so no client state or keys are made).
+pub async fn token_for(hs: &str, user: &str, password: &str, device: &str) -> String {
+    let body = json!({
+        "type": "m.login.password",
+        "identifier": {"type": "m.id.user", "user": user},
+        "password": password,
+        "device_id": device,
+    });
+    let text = matrix_sdk::reqwest::Client::new()
+        .post(format!("{hs}/_matrix/client/v3/login"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("login request")
+        .text()
+        .await
+        .expect("login reply");
+    let resp: Value = serde_json::from_str(&text).expect("login reply is JSON");
+    resp["access_token"]
+        .as_str()
+        .unwrap_or_else(|| panic!("login of {user} failed: {resp}"))
+        .to_owned()
+}
+
+/// A logged-in client with a persistent store in `dir`, synced once (keys uploaded).
+pub async fn user_client(hs: &str, user: &str, password: &str, dir: &Path) -> Client {
+    let client = Client::builder()
+        .homeserver_url(hs)
+        .sqlite_store(dir, None)
+        .build()
+        .await
+        .expect("client");
+    client
+        .matrix_auth()
+        .login_username(user, password)
+        .device_id(&format!("{}-DEV", user.to_uppercase()))
+        .send()
+        .await
+        .expect("login");
+    sync(&client).await;
+    client
+}
+
+/// One short sync of a test user's client (the SDK continues from its own token).
+pub async fn sync(client: &Client) {
+    client
+        .sync_once(SyncSettings::default().timeout(Duration::from_millis(200)))
+        .await
+        .expect("sync");
+}
+
+/// A Persona's config for a test homeserver.
+pub fn persona(hs: &str, id: &str, rooms: &[&str], operators: &[&str]) -> Persona {
+    Persona {
+        id: id.to_owned(),
+        homeserver: hs.to_owned(),
+        user_id: format!("@{id}:localhost"),
+        device_id: format!("GW-{}", id.to_uppercase()),
+        access_token_file: None,
+        access_token_credential: None,
+        rooms: rooms.iter().map(|s| s.to_string()).collect(),
+        operators: operators.iter().map(|s| s.to_string()).collect(),
+        limits: Limits::default(),
+    }
+}
+
+/// A one-Persona gateway in this process: the inbox, her client, ear and mouth.
+pub struct Gateway {
+    /// Her config.
+    pub persona: Persona,
+    /// The state directory.
+    pub state_dir: PathBuf,
+    /// The inbox.
+    pub inbox: Inbox,
+    /// Her ear (rounds are driven by the test).
+    pub ear: Ear,
+    /// Her mouth.
+    pub mouth: Mouth,
+    /// Her client.
+    pub client: Client,
+    /// Ear counters.
+    pub stats: Arc<EarStats>,
+}
+
+impl Gateway {
+    /// Opens the state directory, connects her client, joins her rooms, and runs the first
+    /// sync round when there is no stored position yet.
+    pub async fn start(persona: &Persona, token: &str, state_dir: &Path) -> Self {
+        let inbox = Inbox::open(&state_dir.join("inbox")).expect("inbox");
+        let stored = inbox.sync_token(&persona.id).expect("token");
+        let client = gateway::matrix::connect(
+            persona,
+            state_dir,
+            &Secret::new(token.to_owned()),
+            stored.as_deref(),
+        )
+        .await
+        .expect("connect");
+        let stats = Arc::new(EarStats::default());
+        let mut ear = Ear::new(
+            persona.clone(),
+            client.clone(),
+            inbox.clone(),
+            Arc::new(Signals::default()),
+            stats.clone(),
+        )
+        .await;
+        let (rooms, failed) = gateway::ear::join_configured(&client, persona).await;
+        assert!(failed.is_empty(), "rooms not joined: {failed:?}");
+        if stored.is_none() {
+            ear.round(Duration::ZERO).await.expect("first sync");
+        }
+        let mouth = Mouth::new(&persona.id, client.clone(), inbox.clone(), rooms);
+        Self {
+            persona: persona.clone(),
+            state_dir: state_dir.to_path_buf(),
+            inbox,
+            ear,
+            mouth,
+            client,
+            stats,
+        }
+    }
+
+    /// Runs sync rounds until `want` deliveries are pending (or panics after `within`).
+    pub async fn until_pending(&mut self, want: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let pending = self.inbox.counts(&self.persona.id).expect("counts").pending;
+            if pending >= want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {pending} of {want} deliveries arrived within {within:?}"
+            );
+            if let Err(e) = self.ear.round(Duration::from_millis(500)).await {
+                eprintln!("round failed: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+
+    /// Stops (drops the client and the inbox; sled releases its lock shortly after).
+    pub async fn stop(self) {
+        drop(self);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The bodies of the last `limit` `m.room.message` events in a room (oldest first), read by
+/// `/messages` (decrypted when the reader can).
+pub async fn room_bodies(room: &matrix_sdk::Room, limit: u32) -> Vec<String> {
+    let mut opts = matrix_sdk::room::MessagesOptions::backward();
+    opts.limit = limit.into();
+    let msgs = room.messages(opts).await.expect("messages");
+    let mut out: Vec<String> = msgs
+        .chunk
+        .iter()
+        .filter_map(|e| {
+            let v: Value = serde_json::from_str(e.raw().json().get()).ok()?;
+            (v["type"] == "m.room.message")
+                .then(|| v["content"]["body"].as_str().map(str::to_owned))?
+        })
+        .collect();
+    out.reverse();
+    out
+}

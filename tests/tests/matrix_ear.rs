@@ -1,0 +1,365 @@
+//! The ear and mouth against a real Synapse: every kind of delivery, an encrypted DM from an
+//! operator answered in the encrypted room, first-sync history that is not mail, restarts
+//! before and after ack, a 300-message gap filled in order, and sends that happen once.
+
+use std::time::Duration;
+
+use matrix_sdk::ruma::api::client::room::create_room::v3::{Request as CreateRoom, RoomPreset};
+use matrix_sdk::ruma::events::room::message::{MessageType, RoomMessageEventContent};
+use matrix_sdk::ruma::events::Mentions;
+use matrix_sdk::ruma::OwnedUserId;
+use tests::matrix::{persona, room_bodies, sync, token_for, user_client, Gateway};
+use tests::synapse::{Limits, Synapse};
+use wire::docs::{DeliveryKind, SendRequest, Status};
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+async fn public_room(client: &matrix_sdk::Client, alias: &str) -> matrix_sdk::Room {
+    let mut req = CreateRoom::new();
+    req.room_alias_name = Some(alias.to_owned());
+    req.preset = Some(RoomPreset::PublicChat);
+    client.create_room(req).await.expect("create room")
+}
+
+fn text(body: &str) -> RoomMessageEventContent {
+    RoomMessageEventContent::text_plain(body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_of_every_kind_and_an_encrypted_dm_answered() {
+    let dir = tmp("ear-kinds");
+    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
+    hs.register("vera", "vera-pw");
+    hs.register("ann", "ann-pw");
+    hs.register("bob", "bob-pw");
+    let url = hs.url();
+    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let bob = user_client(&url, "bob", "bob-pw", &dir.join("bob")).await;
+    let hall = public_room(&ann, "hall").await;
+    hall.send(text("history from before she listened"))
+        .await
+        .unwrap();
+
+    let p = persona(&url, "vera", &["#hall:localhost"], &["@ann:localhost"]);
+    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let mut gw = Gateway::start(&p, &token, &dir.join("gw")).await;
+    // The first sync recorded a position and made no mail.
+    assert!(gw.inbox.sync_token("vera").unwrap().is_some());
+    assert_eq!(gw.inbox.counts("vera").unwrap().pending, 0);
+
+    let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
+    let root = hall
+        .send(text("a plain line about the weather"))
+        .await
+        .unwrap()
+        .response
+        .event_id;
+    hall.send(text("vera, what do you think?")).await.unwrap();
+    let mut mention = text("hey you");
+    mention = mention.add_mentions(Mentions::with_user_ids([vera.clone()]));
+    hall.send(mention).await.unwrap();
+    hall.send_raw(
+        "m.room.message",
+        serde_json::json!({
+        "msgtype": "m.text", "body": "in the thread",
+        "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                         "m.in_reply_to": {"event_id": root}}}),
+    )
+    .await
+    .unwrap();
+    hall.send_raw(
+        "m.room.message",
+        serde_json::json!({
+        "msgtype": "m.text", "body": "* a plain line about the rain",
+        "m.new_content": {"msgtype": "m.text", "body": "a plain line about the rain"},
+        "m.relates_to": {"rel_type": "m.replace", "event_id": root}}),
+    )
+    .await
+    .unwrap();
+    sync(&bob).await;
+    bob.join_room_by_id(hall.room_id()).await.unwrap();
+    let bob_hall = bob.get_room(hall.room_id()).unwrap();
+    bob_hall
+        .send(RoomMessageEventContent::new(MessageType::Notice(
+            matrix_sdk::ruma::events::room::message::NoticeMessageEventContent::plain("a notice"),
+        )))
+        .await
+        .unwrap();
+    bob_hall
+        .send(RoomMessageEventContent::new(MessageType::Emote(
+            matrix_sdk::ruma::events::room::message::EmoteMessageEventContent::plain("waves"),
+        )))
+        .await
+        .unwrap();
+
+    gw.until_pending(7, Duration::from_secs(30)).await;
+    let page = gw.inbox.pending("vera", 0, 100, None).unwrap();
+    let by_text = |t: &str| {
+        page.deliveries
+            .iter()
+            .find(|d| d.text == t)
+            .unwrap_or_else(|| panic!("no delivery {t:?} in {:#?}", page.deliveries))
+    };
+    assert!(
+        page.deliveries
+            .iter()
+            .all(|d| !d.text.contains("history from before")),
+        "first-sync history became mail"
+    );
+    assert_eq!(
+        page.deliveries.iter().map(|d| d.seq).collect::<Vec<_>>(),
+        (1..=7).collect::<Vec<_>>()
+    );
+    let plain = by_text("a plain line about the weather");
+    assert!(!plain.to_you && plain.kind == DeliveryKind::Text && !plain.is_direct);
+    assert_eq!(plain.room_alias.as_deref(), Some("#hall:localhost"));
+    assert!(
+        plain
+            .context
+            .iter()
+            .any(|c| c.text == "history from before she listened"),
+        "context: {:?}",
+        plain.context
+    );
+    assert!(by_text("vera, what do you think?").to_you);
+    let m = by_text("hey you");
+    assert!(m.to_you && m.mentions == vec!["@vera:localhost".to_owned()]);
+    let t = by_text("in the thread");
+    assert_eq!(t.thread_root.as_deref(), Some(root.as_str()));
+    assert_eq!(
+        t.context
+            .iter()
+            .map(|c| c.event_id.as_str())
+            .collect::<Vec<_>>(),
+        [root.as_str()],
+        "a thread's context is its root"
+    );
+    let e = by_text("a plain line about the rain");
+    assert_eq!(
+        (e.kind, e.edit_of.as_deref()),
+        (DeliveryKind::Edit, Some(root.as_str()))
+    );
+    assert_eq!(by_text("a notice").kind, DeliveryKind::Notice);
+    assert_eq!(by_text("waves").kind, DeliveryKind::Emote);
+    gw.inbox.ack("vera", 7).unwrap();
+
+    // An encrypted DM from the operator: joined, decrypted, answered encrypted.
+    let dm = ann.create_dm(&vera).await.expect("create dm");
+    assert!(dm.latest_encryption_state().await.unwrap().is_encrypted());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        gw.ear.round(Duration::from_millis(200)).await.unwrap();
+        sync(&ann).await;
+        let joined = dm
+            .get_member_no_sync(&vera)
+            .await
+            .unwrap()
+            .is_some_and(|m| {
+                *m.membership() == matrix_sdk::ruma::events::room::member::MembershipState::Join
+            });
+        if joined {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "she did not join the operator's DM"
+        );
+    }
+    dm.send(text("a secret for vera")).await.unwrap();
+    gw.until_pending(1, Duration::from_secs(20)).await;
+    let d = gw
+        .inbox
+        .pending("vera", 7, 10, None)
+        .unwrap()
+        .deliveries
+        .remove(0);
+    assert_eq!(d.text, "a secret for vera");
+    assert!(d.is_direct && d.to_you);
+    assert_eq!(
+        gw.stats
+            .undecryptable
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    let receipt = gw
+        .mouth
+        .send(&SendRequest {
+            request_id: "dm-answer-1".into(),
+            persona: "vera".into(),
+            room: d.room_id.clone(),
+            text: "the answer, encrypted".into(),
+            thread_root: None,
+            reply_to: Some(d.event_id.clone()),
+        })
+        .await;
+    assert_eq!(receipt.status, Status::Ok, "{receipt:?}");
+    sync(&ann).await;
+    let bodies = room_bodies(&dm, 10).await;
+    assert!(
+        bodies.iter().any(|b| b == "the answer, encrypted"),
+        "ann reads {bodies:?}"
+    );
+    // On the wire it was encrypted.
+    let raw = tests::synapse::get(
+        hs.port,
+        &format!(
+            "/_matrix/client/v3/rooms/{}/event/{}",
+            dm.room_id(),
+            receipt.event_id.as_deref().unwrap()
+        ),
+        Some(&token),
+    )
+    .unwrap();
+    assert!(raw.1.contains("m.room.encrypted"), "{}", raw.1);
+
+    // Not her room, an unknown alias, oversize text: typed refusals, nothing sent.
+    let bob_room = public_room(&bob, "bobs").await;
+    for (room, text, want) in [
+        (
+            bob_room.room_id().to_string(),
+            "hi".to_owned(),
+            "not in room",
+        ),
+        (
+            "#nowhere:localhost".to_owned(),
+            "hi".to_owned(),
+            "unknown room",
+        ),
+        (
+            d.room_id.clone(),
+            "x".repeat(gateway::mouth::MAX_TEXT_BYTES + 1),
+            "outside",
+        ),
+    ] {
+        let r = gw
+            .mouth
+            .send(&SendRequest {
+                request_id: format!("bad-{want}"),
+                persona: "vera".into(),
+                room,
+                text,
+                thread_root: None,
+                reply_to: None,
+            })
+            .await;
+        assert_eq!(r.status, Status::Rejected, "{r:?}");
+        assert!(
+            r.error.as_deref().unwrap_or_default().contains(want),
+            "{r:?}"
+        );
+    }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_gap_fill_and_sends_once() {
+    let dir = tmp("ear-restarts");
+    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
+    hs.register("vera", "vera-pw");
+    hs.register("ann", "ann-pw");
+    let url = hs.url();
+    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let hall = public_room(&ann, "hall").await;
+    let p = persona(&url, "vera", &["#hall:localhost"], &["@ann:localhost"]);
+    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let state = dir.join("gw");
+    let mut gw = Gateway::start(&p, &token, &state).await;
+    for i in 0..5 {
+        hall.send(text(&format!("before ack {i}"))).await.unwrap();
+    }
+    gw.until_pending(5, Duration::from_secs(20)).await;
+    let first = gw.inbox.pending("vera", 0, 100, None).unwrap();
+    gw.stop().await;
+
+    // Restart before ack: the same deliveries, same seqs; more syncing adds nothing.
+    let mut gw = Gateway::start(&p, &token, &state).await;
+    let again = gw.inbox.pending("vera", 0, 100, None).unwrap();
+    assert_eq!(first, again);
+    gw.ear.round(Duration::from_millis(300)).await.unwrap();
+    assert_eq!(gw.inbox.counts("vera").unwrap().highest, 5);
+    gw.inbox.ack("vera", 5).unwrap();
+    gw.stop().await;
+
+    // Restart after ack: nothing redelivered.
+    let mut gw = Gateway::start(&p, &token, &state).await;
+    gw.ear.round(Duration::from_millis(300)).await.unwrap();
+    let c = gw.inbox.counts("vera").unwrap();
+    assert_eq!((c.highest, c.pending), (5, 0));
+    gw.stop().await;
+
+    // 300 messages while she is down: all delivered, in order, via gap fill.
+    for i in 0..300 {
+        hall.send(text(&format!("while down {i}"))).await.unwrap();
+    }
+    let mut gw = Gateway::start(&p, &token, &state).await;
+    gw.until_pending(300, Duration::from_secs(60)).await;
+    let page = gw.inbox.pending("vera", 5, 1000, None).unwrap();
+    let texts: Vec<_> = page.deliveries.iter().map(|d| d.text.clone()).collect();
+    let want: Vec<_> = (0..300).map(|i| format!("while down {i}")).collect();
+    assert_eq!(texts, want);
+    assert_eq!(
+        page.deliveries.iter().map(|d| d.seq).collect::<Vec<_>>(),
+        (6..=305).collect::<Vec<_>>()
+    );
+    assert!(
+        gw.stats
+            .gap_fills
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1,
+        "the gap was not filled"
+    );
+
+    // The same send twice, across a restart, and with the receipt lost: one event.
+    let req = SendRequest {
+        request_id: "once-1".into(),
+        persona: "vera".into(),
+        room: "#hall:localhost".into(),
+        text: "said once".into(),
+        thread_root: None,
+        reply_to: None,
+    };
+    let a = gw.mouth.send(&req).await;
+    let b = gw.mouth.send(&req).await;
+    assert_eq!(a.status, Status::Ok, "{a:?}");
+    assert_eq!(a, b);
+    gw.stop().await;
+    let gw = Gateway::start(&p, &token, &state).await;
+    assert_eq!(gw.mouth.send(&req).await, a);
+    gw.stop().await;
+    // A crash between the PUT and storing the receipt: a fresh inbox (no receipt), same device.
+    let lost = dir.join("gw-lost-receipt");
+    std::fs::create_dir_all(&lost).unwrap();
+    copy_dir(&state.join("personas"), &lost.join("personas"));
+    let gw = Gateway::start(&p, &token, &lost).await;
+    let c = gw.mouth.send(&req).await;
+    assert_eq!(
+        c.event_id, a.event_id,
+        "a repeated txn id must return the first event"
+    );
+    gw.stop().await;
+    sync(&ann).await;
+    let bodies = room_bodies(&hall, 50).await;
+    assert_eq!(
+        bodies.iter().filter(|b| *b == "said once").count(),
+        1,
+        "{bodies:?}"
+    );
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
