@@ -87,6 +87,67 @@ impl Default for Limits {
     }
 }
 
+/// Whether the gateway runs her turns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionMode {
+    /// Mouth-only: CultNet clients (her Minds) read the inbox and drive turns themselves.
+    #[default]
+    Off,
+    /// One live claude process, fed each new batch.
+    Live,
+}
+
+/// Her live session (issue 4): the claude CLI and when turns run.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionConfig {
+    /// `off` or `live`.
+    pub mode: SessionMode,
+    /// The `claude` executable.
+    pub claude: PathBuf,
+    /// Model name.
+    pub model: String,
+    /// Her system prompt (the doctrine).
+    pub system_prompt_file: Option<PathBuf>,
+    /// Messages API base URL.
+    pub api_base_url: String,
+    /// File holding the model API key (mode 0600; never a Matrix token).
+    pub api_key_file: Option<PathBuf>,
+    /// Prompt cache TTL: `5m` or `1h`.
+    pub cache_ttl: String,
+    /// Extended thinking.
+    pub thinking: bool,
+    /// A turn starts once no new mail came for this long...
+    pub debounce_ms: u64,
+    /// ...or this long after the first waiting mail, whichever is first. Mail from an
+    /// operator starts a turn at once.
+    pub max_wait_ms: u64,
+    /// A turn running longer is interrupted, then killed.
+    pub turn_timeout_secs: u64,
+    /// Deliveries per batch at most.
+    pub max_batch: usize,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self {
+            mode: SessionMode::Off,
+            claude: PathBuf::from("claude"),
+            model: "claude-sonnet-4-5".to_owned(),
+            system_prompt_file: None,
+            api_base_url: "https://api.anthropic.com".to_owned(),
+            api_key_file: None,
+            cache_ttl: "1h".to_owned(),
+            thinking: false,
+            debounce_ms: 2_000,
+            max_wait_ms: 15_000,
+            turn_timeout_secs: 300,
+            max_batch: 20,
+        }
+    }
+}
+
 /// One Persona's Matrix account.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -114,6 +175,9 @@ pub struct Persona {
     /// Limits.
     #[serde(default)]
     pub limits: Limits,
+    /// Her live session (off by default: mouth-only).
+    #[serde(default)]
+    pub session: SessionConfig,
 }
 
 /// The CultNet endpoint.
@@ -255,6 +319,39 @@ impl Config {
                     ));
                 }
             }
+            let sc = &p.session;
+            if sc.mode == SessionMode::Live {
+                if sc.system_prompt_file.is_none() {
+                    return Err(err(
+                        who,
+                        "session.system_prompt_file",
+                        "required when session.mode = \"live\"",
+                    ));
+                }
+                if sc.api_key_file.is_none() {
+                    return Err(err(
+                        who,
+                        "session.api_key_file",
+                        "required when session.mode = \"live\"",
+                    ));
+                }
+            }
+            if !matches!(sc.cache_ttl.as_str(), "5m" | "1h") {
+                return Err(err(
+                    who,
+                    "session.cache_ttl",
+                    format!("{:?} is neither \"5m\" nor \"1h\"", sc.cache_ttl),
+                ));
+            }
+            for (k, v) in [
+                ("session.turn_timeout_secs", sc.turn_timeout_secs),
+                ("session.max_batch", sc.max_batch as u64),
+                ("session.max_wait_ms", sc.max_wait_ms),
+            ] {
+                if v == 0 {
+                    return Err(err(who, k, "must be greater than 0"));
+                }
+            }
             let l = &p.limits;
             for (k, v) in [
                 ("limits.max_pending", l.max_pending as usize),
@@ -309,6 +406,26 @@ impl Persona {
             ));
         }
         Ok(Secret(token.to_owned()))
+    }
+}
+
+impl SessionConfig {
+    /// Reads the model API key (a file readable by group or others is refused).
+    pub fn load_api_key(&self, persona: &str) -> Result<Secret, ConfigError> {
+        let who = Some(persona);
+        let path = self
+            .api_key_file
+            .as_ref()
+            .ok_or_else(|| err(who, "session.api_key_file", "missing"))?;
+        check_private(path).map_err(|p| err(who, "session.api_key_file", p))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            err(
+                who,
+                "session.api_key_file",
+                format!("cannot read {}: {e}", path.display()),
+            )
+        })?;
+        Ok(Secret(text.trim().to_owned()))
     }
 }
 

@@ -4,7 +4,8 @@
 //! - `d` persona, seq -> delivery (MessagePack)
 //! - `e` persona, event id -> seq (deduplication; kept after ack, because sync is
 //!   at-least-once and may hand an acknowledged event back)
-//! - `m` persona, name -> value (`next_seq`, `acked`, `token`, `tl_next`)
+//! - `m` persona, name -> value (`next_seq`, `acked`, `token`, `tl_next`, and `s:NAME` for
+//!   the session's values)
 //! - `t` persona, room id, counter -> timeline line (the room's recent lines, for context;
 //!   trimmed to the last [`TIMELINE_CAP`] per room by each later sync response)
 //!
@@ -397,6 +398,31 @@ impl Inbox {
             acked_through: through,
             pending: c.pending - removed,
         })
+    }
+
+    /// A session value of the Persona (`s:NAME` in the meta keys): session id, generation,
+    /// the batch in flight.
+    pub fn session_value(&self, persona: &str, name: &str) -> Result<Option<String>, InboxError> {
+        Ok(self
+            .tree
+            .get(key(persona, format!("s:{name}").as_bytes()))?
+            .map(|v| String::from_utf8_lossy(&v).into_owned()))
+    }
+
+    /// Sets (or with `None` removes) a session value; flushed before it returns.
+    pub fn set_session_value(
+        &self,
+        persona: &str,
+        name: &str,
+        value: Option<&str>,
+    ) -> Result<(), InboxError> {
+        let k = key(persona, format!("s:{name}").as_bytes());
+        match value {
+            Some(v) => self.tree.insert(k, v.as_bytes())?,
+            None => self.tree.remove(k)?,
+        };
+        self.db.flush()?;
+        Ok(())
     }
 
     /// The stored receipt of a send request, if it was sent before.

@@ -18,3 +18,4 @@ pub mod event;
 pub mod inbox;
 pub mod matrix;
 pub mod mouth;
+pub mod turns;

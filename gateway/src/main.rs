@@ -12,6 +12,14 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                "info,matrix_sdk=warn,matrix_sdk_crypto=warn,matrix_sdk_base=warn".into()
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let args = cli::Args::parse();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -80,6 +80,7 @@ pub fn persona(hs: &str, id: &str, rooms: &[&str], operators: &[&str]) -> Person
         rooms: rooms.iter().map(|s| s.to_string()).collect(),
         operators: operators.iter().map(|s| s.to_string()).collect(),
         limits: Limits::default(),
+        session: Default::default(),
     }
 }
 
@@ -184,4 +185,170 @@ pub async fn room_bodies(room: &matrix_sdk::Room, limit: u32) -> Vec<String> {
         .collect();
     out.reverse();
     out
+}
+
+/// The `cultnet-gateway` binary of this workspace (built by `cargo test --workspace`; built
+/// here when a test runs alone).
+pub fn gateway_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let target = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
+    let bin = target.join("cultnet-gateway");
+    if !bin.exists() {
+        let ok = std::process::Command::new(env!("CARGO"))
+            .args(["build", "-p", "gateway", "--bin", "cultnet-gateway"])
+            .status()
+            .expect("cargo build")
+            .success();
+        assert!(ok, "building cultnet-gateway failed");
+    }
+    bin
+}
+
+/// Writes `text` to `path` with mode 0600 (token and key files).
+pub fn write_private(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).expect("write private file");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod 600");
+}
+
+/// A `cultnet-gateway run` process whose log is collected; killed when dropped.
+pub struct GatewayProcess {
+    child: std::process::Child,
+    log: Arc<std::sync::Mutex<String>>,
+}
+
+impl GatewayProcess {
+    /// Starts `cultnet-gateway run --config CONFIG` and waits (up to 60 s) until it logs that
+    /// it is running.
+    pub fn start(config: &Path) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(gateway_bin())
+            .args(["run", "--config"])
+            .arg(config)
+            .env(
+                "RUST_LOG",
+                "info,matrix_sdk=warn,matrix_sdk_crypto=error,matrix_sdk_base=warn",
+            )
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting cultnet-gateway");
+        let log = Arc::new(std::sync::Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let mut l = sink.lock().unwrap_or_else(|p| p.into_inner());
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let p = Self { child, log };
+        p.wait_log("gateway running", Duration::from_secs(60));
+        p
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_log(&self, needle: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while !self.log().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "gateway did not log {needle:?} within {within:?}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Everything it logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `kill -9`.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit (up to 20 s).
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                return self.child.wait().expect("wait");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A config file for one Persona (session off unless `session` adds a `[persona.session]`).
+pub fn write_config(
+    dir: &Path,
+    hs: &str,
+    token: &str,
+    rooms: &[&str],
+    operators: &[&str],
+    session: &str,
+) -> PathBuf {
+    let token_file = dir.join("vera.token");
+    write_private(&token_file, token);
+    let list = |v: &[&str]| {
+        v.iter()
+            .map(|s| format!("{s:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let text = format!(
+        r#"state_dir = "{state}"
+
+[cultnet]
+bind = "127.0.0.1:0"
+
+[[persona]]
+id = "vera"
+homeserver = "{hs}"
+user_id = "@vera:localhost"
+device_id = "GW-VERA"
+access_token_file = "{token}"
+rooms = [{rooms}]
+operators = [{ops}]
+{session}
+"#,
+        state = dir.join("state").display(),
+        token = token_file.display(),
+        rooms = list(rooms),
+        ops = list(operators),
+    );
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
 }

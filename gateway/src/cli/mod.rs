@@ -1,6 +1,7 @@
 //! Command-line arguments and dispatch.
 
 mod decode;
+mod run;
 
 use std::path::PathBuf;
 
@@ -16,6 +17,12 @@ pub(crate) struct Args {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the gateway: every configured Persona's ear, mouth and (if live) session.
+    Run {
+        /// The configuration file (see deploy/gateway.example.toml).
+        #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
+        config: PathBuf,
+    },
     /// Wire-level debugging tools.
     Wire {
         #[command(subcommand)]
@@ -70,6 +77,7 @@ impl From<anyhow::Error> for Failure {
 /// Runs the parsed command.
 pub(crate) fn run(args: Args) -> Result<(), Failure> {
     match args.command {
+        Command::Run { config } => run::run(&config),
         Command::Wire {
             command: WireCommand::Decode { file },
         } => decode::run(&file),

@@ -324,3 +324,28 @@ fn timelines_are_stored_per_room_bounded_and_survive_reopen() {
     assert_eq!(inbox.timeline("p", "!b").unwrap(), vec![tl("!b", "$b0")]);
     assert_eq!(inbox.sync_token("p").unwrap().as_deref(), Some("t2"));
 }
+
+#[test]
+fn session_values_are_set_removed_and_kept_apart_from_the_inbox() {
+    let dir = dir("session-values");
+    {
+        let inbox = Inbox::open(&dir).unwrap();
+        inbox
+            .set_session_value("p", "session_id", Some("abc"))
+            .unwrap();
+        inbox
+            .set_session_value("p", "token", Some("not the sync token"))
+            .unwrap();
+        inbox
+            .set_session_value("q", "session_id", Some("other"))
+            .unwrap();
+        assert_eq!(inbox.sync_token("p").unwrap(), None);
+        inbox.set_session_value("q", "session_id", None).unwrap();
+    }
+    let inbox = Inbox::open(&dir).unwrap();
+    assert_eq!(
+        inbox.session_value("p", "session_id").unwrap().as_deref(),
+        Some("abc")
+    );
+    assert_eq!(inbox.session_value("q", "session_id").unwrap(), None);
+}

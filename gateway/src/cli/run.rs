@@ -1,0 +1,139 @@
+//! `cultnet-gateway run`: the daemon. Every Persona gets her client, ear, mouth and (when her
+//! session is live) her turn loop; a Persona that cannot start is reported and the others
+//! keep running. SIGINT or SIGTERM stops the tasks, and the inbox is already durable.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use gateway::config::{Config, Persona, SessionMode};
+use gateway::ear::{self, Ear, EarStats, Signals};
+use gateway::inbox::Inbox;
+use gateway::mouth::Mouth;
+use gateway::turns::TurnLoop;
+use session::cost::Ttl;
+use session::driver::CliConfig;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use super::Failure;
+
+pub(super) fn run(config: &Path) -> Result<(), Failure> {
+    let cfg = Config::load(config).map_err(|e| Failure::input(e.into()))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(serve(cfg)).map_err(Failure::from)
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
+    let inbox_path = cfg.state_dir.join("inbox");
+    let inbox = Inbox::open(&inbox_path)
+        .with_context(|| format!("opening the inbox {}", inbox_path.display()))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    let mut started = 0;
+    for p in &cfg.personas {
+        let span = tracing::info_span!("persona", id = %p.id);
+        let _enter = span.enter();
+        match start_persona(&cfg, p, &inbox, &stop_rx, &mut tasks).await {
+            Ok(()) => {
+                started += 1;
+                tracing::info!(session = ?p.session.mode, "persona started");
+            }
+            Err(e) => tracing::error!(
+                "persona {} not started: {e:#}; the others keep running",
+                p.id
+            ),
+        }
+    }
+    if started == 0 && !cfg.personas.is_empty() {
+        anyhow::bail!("no Persona could start (see the errors above)");
+    }
+    tracing::info!(personas = started, "gateway running");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("stopping");
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    Ok(())
+}
+
+async fn start_persona(
+    cfg: &Config,
+    p: &Persona,
+    inbox: &Inbox,
+    stop: &watch::Receiver<bool>,
+    tasks: &mut JoinSet<()>,
+) -> anyhow::Result<()> {
+    let token = p.load_token()?;
+    let stored = inbox.sync_token(&p.id)?;
+    let client = gateway::matrix::connect(p, &cfg.state_dir, &token, stored.as_deref()).await?;
+    let (rooms, failed) = ear::join_configured(&client, p).await;
+    for (room, why) in failed {
+        tracing::error!(%room, "room not joined: {why}");
+    }
+    let signals = Arc::new(Signals::default());
+    let mut ear = Ear::new(
+        p.clone(),
+        client.clone(),
+        inbox.clone(),
+        signals.clone(),
+        Arc::new(EarStats::default()),
+    )
+    .await;
+    if stored.is_none() {
+        // Her device uploads its keys in this first sync; its history becomes context.
+        ear.round(Duration::ZERO)
+            .await
+            .context("first sync (recording the position)")?;
+    }
+    let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms);
+    tasks.spawn(ear.run(stop.clone()));
+    if p.session.mode == SessionMode::Live {
+        let s = &p.session;
+        let base = CliConfig {
+            exe: s.claude.clone(),
+            model: s.model.clone(),
+            system_prompt_file: s.system_prompt_file.clone().unwrap_or_default(),
+            json_schema: session::render::reply_schema(),
+            config_dir: cfg.state_dir.join("personas").join(&p.id).join("claude"),
+            work_dir: cfg.state_dir.join("personas").join(&p.id).join("work"),
+            api_base_url: s.api_base_url.clone(),
+            api_key: s.load_api_key(&p.id)?.expose().to_owned(),
+            cache_ttl: if s.cache_ttl == "5m" {
+                Ttl::FiveMinutes
+            } else {
+                Ttl::OneHour
+            },
+            thinking: s.thinking,
+            session_id: None,
+            resume: false,
+            system_prompt_changed: false,
+            max_retries: Some(2),
+            turn_timeout: Duration::from_secs(s.turn_timeout_secs),
+            grace: Duration::from_secs(10),
+        };
+        let turns = TurnLoop::new(
+            p.clone(),
+            inbox.clone(),
+            mouth,
+            signals,
+            base,
+            &cfg.state_dir,
+        )?;
+        tasks.spawn(turns.run(stop.clone()));
+    }
+    Ok(())
+}

@@ -1,0 +1,230 @@
+//! `cultnet-gateway run` as a user runs it, against a real Synapse (and, for live sessions,
+//! the real claude CLI against the mock Messages API):
+//! - an operator's encrypted DM is answered by her live session, exactly once, also when the
+//!   CLI is killed with `kill -9` mid-turn;
+//! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
+//!   every message delivered exactly once, with contiguous seqs in send order.
+
+use std::time::{Duration, Instant};
+
+use gateway::inbox::Inbox;
+use matrix_sdk::ruma::api::client::room::create_room::v3::{Request as CreateRoom, RoomPreset};
+use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use matrix_sdk::ruma::OwnedUserId;
+use tests::matrix::{sync, token_for, user_client, write_config, write_private, GatewayProcess};
+use tests::mock_api::{Fault, MockApi, MockConfig};
+use tests::synapse::{Limits, Synapse};
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Bodies vera sent in `room`, as `reader` sees them.
+async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
+    sync(reader).await;
+    let mut opts = matrix_sdk::room::MessagesOptions::backward();
+    opts.limit = 100u32.into();
+    let msgs = room.messages(opts).await.unwrap();
+    let mut bodies: Vec<String> = msgs
+        .chunk
+        .iter()
+        .filter_map(|e| {
+            let v: serde_json::Value = serde_json::from_str(e.raw().json().get()).ok()?;
+            (v["sender"] == "@vera:localhost" && v["type"] == "m.room.message")
+                .then(|| v["content"]["body"].as_str().map(str::to_owned))?
+        })
+        .collect();
+    bodies.reverse();
+    bodies
+}
+
+async fn wait_for_reply(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    text: &str,
+    within: Duration,
+) -> Vec<String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let got = from_vera(reader, room).await;
+        if got.iter().any(|b| b == text) || Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed() {
+    let dir = tmp("run-live");
+    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
+    hs.register("vera", "vera-pw");
+    hs.register("ann", "ann-pw");
+    let url = hs.url();
+    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let prompt = dir.join("doctrine.md");
+    std::fs::write(&prompt, "You are Vera. ".repeat(800)).unwrap();
+    let key = dir.join("api.key");
+    write_private(&key, "mock-key");
+    let session = format!(
+        r#"
+[persona.session]
+mode = "live"
+claude = "{claude}"
+model = "claude-sonnet-4-6"
+system_prompt_file = "{prompt}"
+api_base_url = "{api}"
+api_key_file = "{key}"
+debounce_ms = 200
+max_wait_ms = 1000
+turn_timeout_secs = 60
+"#,
+        claude = tests::claude_cli::executable().display(),
+        prompt = prompt.display(),
+        api = mock.url(),
+        key = key.display(),
+    );
+    let config = write_config(&dir, &url, &token, &[], &["@ann:localhost"], &session);
+    let gw = GatewayProcess::start(&config);
+
+    let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
+    let dm = ann.create_dm(&vera).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        sync(&ann).await;
+        let joined = dm
+            .get_member_no_sync(&vera)
+            .await
+            .unwrap()
+            .is_some_and(|m| {
+                *m.membership() == matrix_sdk::ruma::events::room::member::MembershipState::Join
+            });
+        if joined {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "she did not join the DM; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let room = dm.room_id().to_string();
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "hello ann"}]}));
+    dm.send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(&ann, &dm, "hello ann", Duration::from_secs(90)).await;
+    assert_eq!(got, ["hello ann"], "log:\n{}", gw.log());
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(status["turns_total"], 1);
+    assert_eq!(status["turns"][0]["says"], 1);
+    assert!(status["session_id"].is_string());
+
+    // The CLI killed mid-turn: the turn is retried in the resumed session, one reply.
+    mock.inject(Fault::Delay(Duration::from_secs(4)));
+    let again = serde_json::json!({"say": [{"room": room, "text": "second answer"}]});
+    mock.script(again.clone());
+    mock.script(again);
+    let before = mock.ledger().len();
+    dm.send(RoomMessageEventContent::text_plain("are you there?"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The request is in the ledger as soon as it arrives; its answer is held back 4 s.
+    while mock.ledger().len() == before {
+        assert!(Instant::now() < deadline, "the turn never reached the API");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pids = std::process::Command::new("pgrep")
+        .args(["-f", &prompt.display().to_string()])
+        .output()
+        .unwrap();
+    let pids = String::from_utf8_lossy(&pids.stdout).to_string();
+    assert!(!pids.trim().is_empty(), "no claude process found");
+    for pid in pids.split_whitespace() {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", pid])
+            .status();
+    }
+    let got = wait_for_reply(&ann, &dm, "second answer", Duration::from_secs(90)).await;
+    assert_eq!(got, ["hello ann", "second answer"], "log:\n{}", gw.log());
+    assert!(
+        gw.log().contains("respawning"),
+        "the CLI was not respawned; log:\n{}",
+        gw.log()
+    );
+    assert_eq!(gw.stop().code(), Some(0));
+    let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
+    let c = inbox.counts("vera").unwrap();
+    assert_eq!((c.highest, c.acked_through, c.pending), (2, 2, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_burst_loses_and_doubles_nothing() {
+    let dir = tmp("run-kill9");
+    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
+    hs.register("vera", "vera-pw");
+    hs.register("ann", "ann-pw");
+    let url = hs.url();
+    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let mut req = CreateRoom::new();
+    req.room_alias_name = Some("hall".to_owned());
+    req.preset = Some(RoomPreset::PublicChat);
+    let hall = ann.create_room(req).await.unwrap();
+    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let config = write_config(&dir, &url, &token, &["#hall:localhost"], &[], "");
+    GatewayProcess::start(&config).stop();
+
+    const N: usize = 500;
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            hall.send(RoomMessageEventContent::text_plain(format!("burst {i:03}")))
+                .await
+                .unwrap();
+        }
+    });
+    let mut kills = 0;
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+    while !sender.is_finished() || kills < 10 {
+        let gw = tokio::task::spawn_blocking({
+            let config = config.clone();
+            move || GatewayProcess::start(&config)
+        })
+        .await
+        .unwrap();
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        tokio::time::sleep(Duration::from_millis(200 + seed % 1800)).await;
+        gw.kill9();
+        kills += 1;
+    }
+    sender.await.unwrap();
+    // A last run catches up; then the inbox is read with the gateway stopped.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let deliveries = loop {
+        let gw = GatewayProcess::start(&config);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        gw.stop();
+        let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
+        let page = inbox.pending("vera", 0, 10_000, None).unwrap();
+        if page.deliveries.len() >= N || Instant::now() > deadline {
+            break page.deliveries;
+        }
+    };
+    let texts: Vec<String> = deliveries.iter().map(|d| d.text.clone()).collect();
+    let want: Vec<String> = (0..N).map(|i| format!("burst {i:03}")).collect();
+    assert_eq!(texts, want, "after {kills} kills");
+    let seqs: Vec<u64> = deliveries.iter().map(|d| d.seq).collect();
+    assert_eq!(seqs, (1..=N as u64).collect::<Vec<_>>());
+    assert!(kills >= 10);
+}
