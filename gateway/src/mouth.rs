@@ -138,6 +138,7 @@ pub struct Mouth {
     inbox: Inbox,
     rooms: Arc<Mutex<HashMap<String, OwnedRoomId>>>,
     retry_floor: Duration,
+    retries: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for Mouth {
@@ -162,7 +163,13 @@ impl Mouth {
             inbox,
             rooms: Arc::new(Mutex::new(rooms)),
             retry_floor: Duration::from_millis(500),
+            retries: Arc::default(),
         }
+    }
+
+    /// Send attempts repeated after a 429, a 5xx or a network error, since start.
+    pub fn retries(&self) -> u64 {
+        self.retries.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sends (at most once per request id) and answers with the receipt.
@@ -241,6 +248,8 @@ impl Mouth {
                             });
                         }
                         let wait = backoff.next(retry_after);
+                        self.retries
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         tracing::debug!(persona = %self.persona, error = %e, ?wait, "send retried");
                         tokio::time::sleep(wait).await;
                     }
