@@ -190,21 +190,25 @@ pub async fn room_bodies(room: &matrix_sdk::Room, limit: u32) -> Vec<String> {
 /// The `cultnet-gateway` binary of this workspace (built by `cargo test --workspace`; built
 /// here when a test runs alone).
 pub fn gateway_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let target = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target directory");
-    let bin = target.join("cultnet-gateway");
-    if !bin.exists() {
-        let ok = std::process::Command::new(env!("CARGO"))
-            .args(["build", "-p", "gateway", "--bin", "cultnet-gateway"])
-            .status()
-            .expect("cargo build")
-            .success();
-        assert!(ok, "building cultnet-gateway failed");
+    let exe = std::env::current_exe().expect("own executable");
+    // Tests run from target/debug/deps, binaries from target/debug.
+    let find = || {
+        exe.ancestors()
+            .skip(1)
+            .take(2)
+            .map(|d| d.join("cultnet-gateway"))
+            .find(|p| p.exists())
+    };
+    if let Some(bin) = find() {
+        return bin;
     }
-    bin
+    let ok = std::process::Command::new(env!("CARGO"))
+        .args(["build", "-p", "gateway", "--bin", "cultnet-gateway"])
+        .status()
+        .expect("cargo build")
+        .success();
+    assert!(ok, "building cultnet-gateway failed");
+    find().expect("cultnet-gateway after building it")
 }
 
 /// Writes `text` to `path` with mode 0600 (token and key files).
