@@ -187,8 +187,8 @@ pub async fn room_bodies(room: &matrix_sdk::Room, limit: u32) -> Vec<String> {
     out
 }
 
-/// The `cultnet-gateway` binary of this workspace (built by `cargo test --workspace`; built
-/// here when a test runs alone).
+/// The `cultnet-gateway` binary of this workspace, of the same profile as the caller (built
+/// by `cargo test --workspace`; built here when missing).
 pub fn gateway_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("own executable");
     // Tests run from target/debug/deps, binaries from target/debug.
@@ -202,8 +202,10 @@ pub fn gateway_bin() -> PathBuf {
     if let Some(bin) = find() {
         return bin;
     }
+    let release = exe.ancestors().any(|d| d.ends_with("release"));
     let ok = std::process::Command::new(env!("CARGO"))
         .args(["build", "-p", "gateway", "--bin", "cultnet-gateway"])
+        .args(release.then_some("--release"))
         .status()
         .expect("cargo build")
         .success();

@@ -228,3 +228,49 @@ async fn kill_9_during_a_burst_loses_and_doubles_nothing() {
     assert_eq!(seqs, (1..=N as u64).collect::<Vec<_>>());
     assert!(kills >= 10);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_token_stops_only_that_persona() {
+    let dir = tmp("run-badtoken");
+    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
+    hs.register("vera", "vera-pw");
+    hs.register("ann", "ann-pw");
+    let url = hs.url();
+    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let mut req = CreateRoom::new();
+    req.room_alias_name = Some("hall".to_owned());
+    req.preset = Some(RoomPreset::PublicChat);
+    let hall = ann.create_room(req).await.unwrap();
+    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let bad = dir.join("mira.token");
+    write_private(&bad, "syt_not_a_valid_token");
+    let extra = format!(
+        "\n[[persona]]\nid = \"mira\"\nhomeserver = \"{url}\"\nuser_id = \"@mira:localhost\"\ndevice_id = \"GW-MIRA\"\naccess_token_file = \"{}\"\n",
+        bad.display()
+    );
+    let config = write_config(&dir, &url, &token, &["#hall:localhost"], &[], &extra);
+    let gw = GatewayProcess::start(&config);
+    let log = gw.log();
+    assert!(
+        log.contains("persona mira not started") && log.contains("rejected the access token"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("syt_not_a_valid_token"),
+        "a token reached the log"
+    );
+    hall.send(RoomMessageEventContent::text_plain("still heard"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(gw.stop().code(), Some(0));
+    let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
+    let page = inbox.pending("vera", 0, 10, None).unwrap();
+    assert_eq!(
+        page.deliveries
+            .iter()
+            .map(|d| d.text.as_str())
+            .collect::<Vec<_>>(),
+        ["still heard"]
+    );
+}
