@@ -358,3 +358,70 @@ operators = [{ops}]
     std::fs::write(&path, text).expect("write config");
     path
 }
+
+/// A fresh temporary directory for a test (named after it and this process).
+pub fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("temporary directory");
+    d
+}
+
+/// A public room with alias `#ALIAS:localhost`, created by `client`.
+pub async fn public_room(client: &Client, alias: &str) -> matrix_sdk::Room {
+    use matrix_sdk::ruma::api::client::room::create_room::v3::{Request, RoomPreset};
+    let mut req = Request::new();
+    req.room_alias_name = Some(alias.to_owned());
+    req.preset = Some(RoomPreset::PublicChat);
+    client.create_room(req).await.expect("create room")
+}
+
+/// Syncs `reader` and says whether `user` has joined `room`.
+pub async fn has_joined(
+    reader: &Client,
+    room: &matrix_sdk::Room,
+    user: &matrix_sdk::ruma::UserId,
+) -> bool {
+    use matrix_sdk::ruma::events::room::member::MembershipState;
+    sync(reader).await;
+    room.get_member_no_sync(user)
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|m| *m.membership() == MembershipState::Join)
+}
+
+/// The usual cast: a Synapse in `DIR/hs`, Persona `vera` (password login on device
+/// `GW-VERA`, the device [`persona`] configures) and her operator `ann` with a client.
+pub struct Scene {
+    /// The test's directory.
+    pub dir: PathBuf,
+    /// The homeserver.
+    pub hs: crate::synapse::Synapse,
+    /// Its URL.
+    pub url: String,
+    /// The operator's client.
+    pub ann: Client,
+    /// Vera's access token for device `GW-VERA`.
+    pub vera_token: String,
+}
+
+impl Scene {
+    /// Starts the homeserver and registers the cast.
+    pub async fn new(name: &str, limits: crate::synapse::Limits) -> Self {
+        let dir = tmp_dir(name);
+        let hs = crate::synapse::Synapse::start(&dir.join("hs"), limits);
+        hs.register("vera", "vera-pw");
+        hs.register("ann", "ann-pw");
+        let url = hs.url();
+        let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+        let vera_token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+        Self {
+            dir,
+            hs,
+            url,
+            ann,
+            vera_token,
+        }
+    }
+}

@@ -8,19 +8,13 @@
 use std::time::{Duration, Instant};
 
 use gateway::inbox::Inbox;
-use matrix_sdk::ruma::api::client::room::create_room::v3::{Request as CreateRoom, RoomPreset};
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use matrix_sdk::ruma::OwnedUserId;
-use tests::matrix::{sync, token_for, user_client, write_config, write_private, GatewayProcess};
+use tests::matrix::{
+    has_joined, public_room, sync, write_config, write_private, GatewayProcess, Scene,
+};
 use tests::mock_api::{Fault, MockApi, MockConfig};
-use tests::synapse::{Limits, Synapse};
-
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use tests::synapse::Limits;
 
 /// Bodies vera sent in `room`, as `reader` sees them.
 async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
@@ -59,14 +53,10 @@ async fn wait_for_reply(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed() {
-    let dir = tmp("run-live");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
+    let scene = Scene::new("run-live", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let token = scene.vera_token.clone();
     let prompt = dir.join("doctrine.md");
     std::fs::write(&prompt, "You are Vera. ".repeat(800)).unwrap();
     let key = dir.join("api.key");
@@ -95,18 +85,7 @@ turn_timeout_secs = 60
     let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
     let dm = ann.create_dm(&vera).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        sync(&ann).await;
-        let joined = dm
-            .get_member_no_sync(&vera)
-            .await
-            .unwrap()
-            .is_some_and(|m| {
-                *m.membership() == matrix_sdk::ruma::events::room::member::MembershipState::Join
-            });
-        if joined {
-            break;
-        }
+    while !has_joined(ann, &dm, &vera).await {
         assert!(
             Instant::now() < deadline,
             "she did not join the DM; log:\n{}",
@@ -119,7 +98,7 @@ turn_timeout_secs = 60
     dm.send(RoomMessageEventContent::text_plain("hello vera"))
         .await
         .unwrap();
-    let got = wait_for_reply(&ann, &dm, "hello ann", Duration::from_secs(90)).await;
+    let got = wait_for_reply(ann, &dm, "hello ann", Duration::from_secs(90)).await;
     assert_eq!(got, ["hello ann"], "log:\n{}", gw.log());
     let status: serde_json::Value = serde_json::from_slice(
         &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
@@ -155,7 +134,7 @@ turn_timeout_secs = 60
             .args(["-9", pid])
             .status();
     }
-    let got = wait_for_reply(&ann, &dm, "second answer", Duration::from_secs(90)).await;
+    let got = wait_for_reply(ann, &dm, "second answer", Duration::from_secs(90)).await;
     assert_eq!(got, ["hello ann", "second answer"], "log:\n{}", gw.log());
     assert!(
         gw.log().contains("respawning"),
@@ -170,17 +149,10 @@ turn_timeout_secs = 60
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_a_burst_loses_and_doubles_nothing() {
-    let dir = tmp("run-kill9");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let mut req = CreateRoom::new();
-    req.room_alias_name = Some("hall".to_owned());
-    req.preset = Some(RoomPreset::PublicChat);
-    let hall = ann.create_room(req).await.unwrap();
-    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let scene = Scene::new("run-kill9", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let hall = public_room(ann, "hall").await;
+    let token = scene.vera_token.clone();
     let config = write_config(&dir, &url, &token, &["#hall:localhost"], &[], "");
     GatewayProcess::start(&config).stop();
 
@@ -231,17 +203,10 @@ async fn kill_9_during_a_burst_loses_and_doubles_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_token_stops_only_that_persona() {
-    let dir = tmp("run-badtoken");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let mut req = CreateRoom::new();
-    req.room_alias_name = Some("hall".to_owned());
-    req.preset = Some(RoomPreset::PublicChat);
-    let hall = ann.create_room(req).await.unwrap();
-    let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
+    let scene = Scene::new("run-badtoken", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let hall = public_room(ann, "hall").await;
+    let token = scene.vera_token.clone();
     let bad = dir.join("mira.token");
     write_private(&bad, "syt_not_a_valid_token");
     let extra = format!(

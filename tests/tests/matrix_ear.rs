@@ -4,27 +4,15 @@
 
 use std::time::Duration;
 
-use matrix_sdk::ruma::api::client::room::create_room::v3::{Request as CreateRoom, RoomPreset};
 use matrix_sdk::ruma::events::room::message::{MessageType, RoomMessageEventContent};
 use matrix_sdk::ruma::events::Mentions;
 use matrix_sdk::ruma::OwnedUserId;
-use tests::matrix::{persona, room_bodies, sync, token_for, user_client, Gateway};
+use tests::matrix::{
+    has_joined, persona, public_room, room_bodies, sync, tmp_dir as tmp, token_for, user_client,
+    Gateway, Scene,
+};
 use tests::synapse::{Limits, Synapse};
 use wire::docs::{DeliveryKind, SendRequest, Status};
-
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-async fn public_room(client: &matrix_sdk::Client, alias: &str) -> matrix_sdk::Room {
-    let mut req = CreateRoom::new();
-    req.room_alias_name = Some(alias.to_owned());
-    req.preset = Some(RoomPreset::PublicChat);
-    client.create_room(req).await.expect("create room")
-}
 
 fn text(body: &str) -> RoomMessageEventContent {
     RoomMessageEventContent::text_plain(body)
@@ -154,15 +142,7 @@ async fn deliveries_of_every_kind_and_an_encrypted_dm_answered() {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         gw.ear.round(Duration::from_millis(200)).await.unwrap();
-        sync(&ann).await;
-        let joined = dm
-            .get_member_no_sync(&vera)
-            .await
-            .unwrap()
-            .is_some_and(|m| {
-                *m.membership() == matrix_sdk::ruma::events::room::member::MembershipState::Join
-            });
-        if joined {
+        if has_joined(&ann, &dm, &vera).await {
             break;
         }
         assert!(
@@ -258,15 +238,11 @@ async fn deliveries_of_every_kind_and_an_encrypted_dm_answered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_gap_fill_and_sends_once() {
-    let dir = tmp("ear-restarts");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let hall = public_room(&ann, "hall").await;
+    let scene = Scene::new("ear-restarts", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let hall = public_room(ann, "hall").await;
     let p = persona(&url, "vera", &["#hall:localhost"], &["@ann:localhost"]);
-    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let token = scene.vera_token.clone();
     let state = dir.join("gw");
     let mut gw = Gateway::start(&p, &token, &state).await;
     for i in 0..5 {
@@ -342,7 +318,7 @@ async fn restarts_gap_fill_and_sends_once() {
         "a repeated txn id must return the first event"
     );
     gw.stop().await;
-    sync(&ann).await;
+    sync(ann).await;
     let bodies = room_bodies(&hall, 50).await;
     assert_eq!(
         bodies.iter().filter(|b| *b == "said once").count(),

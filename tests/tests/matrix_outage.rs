@@ -5,25 +5,14 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use matrix_sdk::ruma::api::client::room::create_room::v3::{Request as CreateRoom, RoomPreset};
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
-use tests::matrix::{persona, room_bodies, sync, token_for, user_client, Gateway};
-use tests::synapse::{Limits, Synapse};
+use tests::matrix::{persona, public_room, room_bodies, sync, Gateway, Scene};
+use tests::synapse::Limits;
 use tokio::sync::watch;
 use wire::docs::{SendRequest, Status};
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 async fn hall(client: &matrix_sdk::Client) -> matrix_sdk::Room {
-    let mut req = CreateRoom::new();
-    req.room_alias_name = Some("hall".to_owned());
-    req.preset = Some(RoomPreset::PublicChat);
-    client.create_room(req).await.unwrap()
+    public_room(client, "hall").await
 }
 
 async fn wait_pending(inbox: &gateway::inbox::Inbox, want: u64, within: Duration) -> u64 {
@@ -50,16 +39,12 @@ fn say(id: &str, text: &str) -> SendRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_inbox_holds_the_ear_back_until_acks_free_room() {
-    let dir = tmp("holdback");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let room = hall(&ann).await;
+    let scene = Scene::new("holdback", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let room = hall(ann).await;
     let mut p = persona(&url, "vera", &["#hall:localhost"], &[]);
     p.limits.max_pending = 5;
-    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let token = scene.vera_token.clone();
     let gw = Gateway::start(&p, &token, &dir.join("gw")).await;
     let (inbox, stats) = (gw.inbox.clone(), gw.stats.clone());
     let (stop, stopped) = watch::channel(false);
@@ -104,15 +89,11 @@ async fn a_full_inbox_holds_the_ear_back_until_acks_free_room() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn default_rate_limits_are_waited_out() {
-    let dir = tmp("ratelimit");
-    let hs = Synapse::start(&dir.join("hs"), Limits::Default);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let room = hall(&ann).await;
+    let scene = Scene::new("ratelimit", Limits::Default).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let room = hall(ann).await;
     let p = persona(&url, "vera", &["#hall:localhost"], &[]);
-    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let token = scene.vera_token.clone();
     let gw = Gateway::start(&p, &token, &dir.join("gw")).await;
     const N: usize = 14;
     for i in 0..N {
@@ -126,7 +107,7 @@ async fn default_rate_limits_are_waited_out() {
         gw.mouth.retries() > 0,
         "no 429 was met: the test proves nothing"
     );
-    sync(&ann).await;
+    sync(ann).await;
     let bodies = room_bodies(&room, 50).await;
     let want: Vec<_> = (0..N).map(|i| format!("burst {i}")).collect();
     assert_eq!(
@@ -142,15 +123,11 @@ async fn default_rate_limits_are_waited_out() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_homeserver_outage_of_20_s_loses_nothing() {
-    let dir = tmp("outage");
-    let mut hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    hs.register("vera", "vera-pw");
-    hs.register("ann", "ann-pw");
-    let url = hs.url();
-    let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
-    let room = hall(&ann).await;
+    let mut scene = Scene::new("outage", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let room = hall(ann).await;
     let p = persona(&url, "vera", &["#hall:localhost"], &[]);
-    let token = token_for(&url, "vera", "vera-pw", &p.device_id).await;
+    let token = scene.vera_token.clone();
     let gw = Gateway::start(&p, &token, &dir.join("gw")).await;
     let (inbox, stats, mouth) = (gw.inbox.clone(), gw.stats.clone(), gw.mouth.clone());
     let (stop, stopped) = watch::channel(false);
@@ -161,13 +138,13 @@ async fn a_homeserver_outage_of_20_s_loses_nothing() {
             .unwrap();
     }
     assert_eq!(wait_pending(&inbox, 3, Duration::from_secs(20)).await, 3);
-    hs.stop();
+    scene.hs.stop();
     let down = mouth
         .send(&say("during-outage", "said during the outage"))
         .await;
     assert_eq!(down.status, Status::Failed, "{down:?}");
     tokio::time::sleep(Duration::from_secs(20)).await;
-    hs.restart();
+    scene.hs.restart();
     for i in 0..3 {
         room.send(RoomMessageEventContent::text_plain(format!("after {i}")))
             .await
@@ -194,7 +171,7 @@ async fn a_homeserver_outage_of_20_s_loses_nothing() {
         .send(&say("during-outage", "said during the outage"))
         .await;
     assert_eq!(again.status, Status::Ok, "{again:?}");
-    sync(&ann).await;
+    sync(ann).await;
     let bodies = room_bodies(&room, 50).await;
     assert_eq!(
         bodies
