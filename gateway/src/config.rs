@@ -73,6 +73,9 @@ pub struct Limits {
     pub fetch_limit: usize,
     /// Events a gap fill may fetch at most.
     pub gap_fill_max: usize,
+    /// How long an event that cannot be decrypted is held and retried before it is delivered
+    /// with a placeholder text.
+    pub undecryptable_wait_secs: u64,
 }
 
 impl Default for Limits {
@@ -83,6 +86,7 @@ impl Default for Limits {
             context_bytes: 16 * 1024,
             fetch_limit: 100,
             gap_fill_max: 1000,
+            undecryptable_wait_secs: 600,
         }
     }
 }

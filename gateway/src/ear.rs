@@ -13,7 +13,9 @@
 //!   from the old token, so nothing is skipped.
 //! - DM invites from her operators are joined; others are ignored and logged.
 //! - Errors back off exponentially (0.5 s to 30 s); a 429's requested wait is honoured.
-//! - Undecryptable events are delivered with a placeholder text, counted and logged.
+//! - An event that cannot be decrypted is held (in the inbox) and retried every round; once it
+//!   decrypts it is delivered in clear, and when `undecryptable_wait_secs` runs out it is
+//!   delivered with a placeholder text. Counted and logged either way, never dropped.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,7 +34,7 @@ use tokio::sync::{watch, Notify};
 
 use crate::config::Persona;
 use crate::event::{self, Me, RoomInfo};
-use crate::inbox::{Inbox, InboxError, TimelineLine, TIMELINE_CAP};
+use crate::inbox::{Held, Inbox, InboxError, SyncWrite, TimelineLine, TIMELINE_CAP};
 use crate::matrix::{classify, Backoff, Failure};
 
 /// How long one `/sync` long-polls.
@@ -45,8 +47,12 @@ pub struct EarStats {
     pub syncs: AtomicU64,
     /// Deliveries stored (new seqs).
     pub delivered: AtomicU64,
-    /// Events that could not be decrypted.
+    /// Events that could not be decrypted when they arrived (held and retried).
     pub undecryptable: AtomicU64,
+    /// Held events that decrypted on a retry.
+    pub decrypted_late: AtomicU64,
+    /// Held events delivered with a placeholder after their wait.
+    pub undecryptable_delivered: AtomicU64,
     /// Gap fills run and events they fetched.
     pub gap_fills: AtomicU64,
     /// Events fetched by gap fills.
@@ -197,7 +203,11 @@ impl Ear {
         for (room_id, invite) in &resp.rooms.invited {
             self.consider_invite(room_id, invite).await;
         }
-        let mut deliveries = Vec::new();
+        let (mut deliveries, release) = self.retry_held().await?;
+        let mut hold = Vec::new();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
         let mut lines = Vec::new();
         for (room_id, update) in &resp.rooms.joined {
             let Some(room) = self.client.get_room(room_id) else {
@@ -258,10 +268,6 @@ impl Ear {
                     continue;
                 }
                 if let Some(mut d) = event::delivery(&ev, &info, &self.me, sender_name) {
-                    if utd {
-                        self.stats.undecryptable.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(persona = %self.persona.id, event = %d.event_id, room = %info.room_id, "undecryptable event delivered as a placeholder");
-                    }
                     d.context = event::context_for(
                         tl.iter(),
                         &d.event_id,
@@ -269,16 +275,32 @@ impl Ear {
                         self.persona.limits.context_lines,
                         self.persona.limits.context_bytes,
                     );
-                    deliveries.push(d);
+                    if utd {
+                        self.stats.undecryptable.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(persona = %self.persona.id, event = %d.event_id, room = %info.room_id, "undecryptable event held; retried each round");
+                        hold.push(Held {
+                            since_ms: now_ms,
+                            delivery: d,
+                        });
+                    } else {
+                        deliveries.push(d);
+                    }
                 }
             }
         }
         let inbox = self.inbox.clone();
         let id = self.persona.id.clone();
         let next = resp.next_batch.clone();
-        let assigned =
-            tokio::task::spawn_blocking(move || inbox.ingest_sync(&id, &next, &deliveries, &lines))
-                .await??;
+        let assigned = tokio::task::spawn_blocking(move || {
+            let write = SyncWrite {
+                deliveries: &deliveries,
+                lines: &lines,
+                hold: &hold,
+                release: &release,
+            };
+            inbox.ingest_sync(&id, &next, write)
+        })
+        .await??;
         self.stats.syncs.fetch_add(1, Ordering::Relaxed);
         if !assigned.is_empty() {
             self.stats
@@ -288,6 +310,61 @@ impl Ear {
             self.signals.mail.notify_one();
         }
         Ok(assigned.len())
+    }
+
+    /// Retries the held (undecryptable) events: those that decrypt now, and those whose wait
+    /// ran out (as placeholders), come back as deliveries with their ids to release.
+    async fn retry_held(&self) -> Result<(Vec<wire::docs::Delivery>, Vec<String>), EarError> {
+        let held = self.inbox.held(&self.persona.id)?;
+        let mut out = Vec::new();
+        let mut release = Vec::new();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let wait_ms = self
+            .persona
+            .limits
+            .undecryptable_wait_secs
+            .saturating_mul(1000) as i64;
+        for h in held {
+            let d = &h.delivery;
+            let room = matrix_sdk::ruma::OwnedRoomId::try_from(d.room_id.as_str())
+                .ok()
+                .and_then(|id| self.client.get_room(&id));
+            let event_id = matrix_sdk::ruma::OwnedEventId::try_from(d.event_id.as_str()).ok();
+            let clear = match (room, event_id) {
+                (Some(room), Some(event_id)) => match room.event(&event_id, None).await {
+                    Ok(ev) if !matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) => {
+                        serde_json::from_str::<Value>(ev.raw().json().get()).ok()
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            let info = RoomInfo {
+                room_id: d.room_id.clone(),
+                alias: d.room_alias.clone(),
+                is_direct: d.is_direct,
+            };
+            if let Some(mut clear) = clear
+                .and_then(|v| event::delivery(&v, &info, &self.me, d.sender_name.clone()))
+                .filter(|c| c.text != event::UNDECRYPTABLE)
+            {
+                clear.context = d.context.clone();
+                self.stats.decrypted_late.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(persona = %self.persona.id, event = %d.event_id, "held event decrypted");
+                release.push(d.event_id.clone());
+                out.push(clear);
+            } else if now_ms - h.since_ms >= wait_ms {
+                self.stats
+                    .undecryptable_delivered
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(persona = %self.persona.id, event = %d.event_id, "still undecryptable; delivered as a placeholder");
+                release.push(d.event_id.clone());
+                out.push(h.delivery);
+            }
+        }
+        Ok((out, release))
     }
 
     /// Loads a room's stored timeline the first time the room is seen in this process.

@@ -6,6 +6,7 @@
 //!   at-least-once and may hand an acknowledged event back)
 //! - `m` persona, name -> value (`next_seq`, `acked`, `token`, `tl_next`, and `s:NAME` for
 //!   the session's values)
+//! - `u` persona, event id -> an event held until it decrypts ([`Held`])
 //! - `t` persona, room id, counter -> timeline line (the room's recent lines, for context;
 //!   trimmed to the last [`TIMELINE_CAP`] per room by each later sync response)
 //!
@@ -101,6 +102,7 @@ const DELIVERY: u8 = b'd';
 const EVENT: u8 = b'e';
 const META: u8 = b'm';
 const TIMELINE: u8 = b't';
+const HELD: u8 = b'u';
 
 /// Lines of recent timeline kept per room (enough for 20 lines of context plus a thread's).
 pub const TIMELINE_CAP: usize = 64;
@@ -114,6 +116,29 @@ pub struct TimelineLine {
     pub thread: Option<String>,
     /// The line.
     pub line: wire::docs::ContextLine,
+}
+
+/// What one sync response writes besides its token (see [`Inbox::ingest_sync`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SyncWrite<'a> {
+    /// New deliveries (duplicates by event id are dropped).
+    pub deliveries: &'a [Delivery],
+    /// Timeline lines for context.
+    pub lines: &'a [TimelineLine],
+    /// Events to hold until they decrypt (or their wait ends).
+    pub hold: &'a [Held],
+    /// Held event ids now resolved (delivered in this same batch, or given up).
+    pub release: &'a [String],
+}
+
+/// An event that could not be decrypted yet: retried each sync round, and delivered with a
+/// placeholder text once its wait ends, never dropped.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Held {
+    /// When it was first seen (ms since the epoch).
+    pub since_ms: i64,
+    /// The delivery it becomes if it never decrypts (placeholder text, context filled).
+    pub delivery: Delivery,
 }
 
 fn room_key(persona: &str, room: &str, counter: Option<u64>) -> Vec<u8> {
@@ -203,18 +228,31 @@ impl Inbox {
         next_token: &str,
         batch: &[Delivery],
     ) -> Result<Vec<u64>, InboxError> {
-        self.ingest_sync(persona, next_token, batch, &[])
+        self.ingest_sync(
+            persona,
+            next_token,
+            SyncWrite {
+                deliveries: batch,
+                ..SyncWrite::default()
+            },
+        )
     }
 
-    /// [`Inbox::ingest`] with the sync response's timeline lines, stored in the same atomic
-    /// batch (each room keeps its last [`TIMELINE_CAP`] lines).
+    /// [`Inbox::ingest`] with everything else a sync response changes, in the same atomic
+    /// batch: timeline lines (each room keeps its last [`TIMELINE_CAP`]), events held back
+    /// because they could not be decrypted yet, and held events now resolved.
     pub fn ingest_sync(
         &self,
         persona: &str,
         next_token: &str,
-        batch: &[Delivery],
-        lines: &[TimelineLine],
+        write: SyncWrite<'_>,
     ) -> Result<Vec<u64>, InboxError> {
+        let SyncWrite {
+            deliveries: batch,
+            lines,
+            hold,
+            release,
+        } = write;
         let next_key = key(persona, b"next_seq");
         let mut next = self.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
         let mut batch_ops = sled::Batch::default();
@@ -256,11 +294,36 @@ impl Inbox {
                 }
             }
         }
+        for h in hold {
+            let hk = kkey(HELD, persona, h.delivery.event_id.as_bytes());
+            let delivered = self
+                .tree
+                .get(kkey(EVENT, persona, h.delivery.event_id.as_bytes()))?
+                .is_some();
+            // A replayed sync must not restart the wait of an event already held.
+            if !delivered && self.tree.get(&hk)?.is_none() {
+                batch_ops.insert(hk, encode(h));
+            }
+        }
+        for event_id in release {
+            batch_ops.remove(kkey(HELD, persona, event_id.as_bytes()));
+        }
         batch_ops.insert(next_key, &next.to_be_bytes());
         batch_ops.insert(key(persona, b"token"), next_token.as_bytes());
         self.tree.apply_batch(batch_ops)?;
         self.db.flush()?;
         Ok(assigned)
+    }
+
+    /// The events held back because they could not be decrypted yet, oldest first by key.
+    pub fn held(&self, persona: &str) -> Result<Vec<Held>, InboxError> {
+        self.tree
+            .scan_prefix(kkey(HELD, persona, b""))
+            .map(|kv| {
+                let (k, v) = kv?;
+                decode(&k, &v)
+            })
+            .collect()
     }
 
     /// A room's stored recent timeline, oldest first.

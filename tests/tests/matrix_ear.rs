@@ -339,3 +339,55 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecryptable_event_is_held_retried_then_delivered_as_a_placeholder() {
+    let scene = Scene::new("ear-utd", Limits::Relaxed).await;
+    let hall = public_room(&scene.ann, "hall").await;
+    let mut p = persona(&scene.url, "vera", &["#hall:localhost"], &[]);
+    p.limits.undecryptable_wait_secs = 2;
+    let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
+    // A megolm event whose session nobody ever shared with her.
+    hall.send_raw(
+        "m.room.encrypted",
+        serde_json::json!({
+            "algorithm": "m.megolm.v1.aes-sha2",
+            "sender_key": "aGVsbG8gd29ybGQgaGVsbG8gd29ybGQgaGVsbG8gd28",
+            "session_id": "c2Vzc2lvbiB0aGF0IG5ldmVyIHdhcyBzaGFyZWQgd2l0aA",
+            "device_id": "NOPE",
+            "ciphertext": "AwgAEnB0aGlzIGlzIG5vdCBhIHJlYWwgY2lwaGVydGV4dA",
+        }),
+    )
+    .await
+    .unwrap();
+    hall.send(text("a clear line after it")).await.unwrap();
+    gw.until_pending(1, Duration::from_secs(20)).await;
+    let held = gw.inbox.held("vera").unwrap();
+    assert_eq!(
+        held.len(),
+        1,
+        "the undecryptable event is held, not delivered"
+    );
+    assert_eq!(
+        gw.stats
+            .undecryptable
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let first = gw.inbox.pending("vera", 0, 10, None).unwrap();
+    assert_eq!(first.deliveries.len(), 1);
+    assert_eq!(first.deliveries[0].text, "a clear line after it");
+    // Retried every round; after its wait it is delivered with a placeholder, never dropped.
+    gw.until_pending(2, Duration::from_secs(20)).await;
+    let page = gw.inbox.pending("vera", 0, 10, None).unwrap();
+    assert_eq!(page.deliveries[1].text, gateway::event::UNDECRYPTABLE);
+    assert_eq!(page.deliveries[1].event_id, held[0].delivery.event_id);
+    assert!(gw.inbox.held("vera").unwrap().is_empty());
+    assert_eq!(
+        gw.stats
+            .undecryptable_delivered
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    gw.stop().await;
+}

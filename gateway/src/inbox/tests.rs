@@ -310,9 +310,25 @@ fn timelines_are_stored_per_room_bounded_and_survive_reopen() {
         let lines: Vec<_> = (0..TIMELINE_CAP + 10)
             .map(|i| tl("!a", &format!("$a{i}")))
             .collect();
-        inbox.ingest_sync("p", "t1", &[], &lines).unwrap();
         inbox
-            .ingest_sync("p", "t2", &[], &[tl("!b", "$b0"), tl("!a", "$last")])
+            .ingest_sync(
+                "p",
+                "t1",
+                SyncWrite {
+                    lines: &lines,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        inbox
+            .ingest_sync(
+                "p",
+                "t2",
+                SyncWrite {
+                    lines: &[tl("!b", "$b0"), tl("!a", "$last")],
+                    ..Default::default()
+                },
+            )
             .unwrap();
         let a = inbox.timeline("p", "!a").unwrap();
         assert_eq!(a.len(), TIMELINE_CAP);
@@ -348,4 +364,66 @@ fn session_values_are_set_removed_and_kept_apart_from_the_inbox() {
         Some("abc")
     );
     assert_eq!(inbox.session_value("q", "session_id").unwrap(), None);
+}
+
+#[test]
+fn held_events_keep_their_first_wait_and_leave_when_released_or_delivered() {
+    let dir = dir("held");
+    let inbox = Inbox::open(&dir).unwrap();
+    let held = |id: &str, since| Held {
+        since_ms: since,
+        delivery: d(id, "(undecryptable)"),
+    };
+    inbox
+        .ingest_sync(
+            "p",
+            "t1",
+            SyncWrite {
+                hold: &[held("$x", 100), held("$y", 100)],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    // A replay of the same response does not restart the wait.
+    inbox
+        .ingest_sync(
+            "p",
+            "t1",
+            SyncWrite {
+                hold: &[held("$x", 999)],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        inbox.held("p").unwrap(),
+        vec![held("$x", 100), held("$y", 100)]
+    );
+    // $x decrypted: delivered and released in one batch.
+    let seqs = inbox
+        .ingest_sync(
+            "p",
+            "t2",
+            SyncWrite {
+                deliveries: &[d("$x", "clear text")],
+                release: &["$x".to_owned()],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(seqs, vec![1]);
+    assert_eq!(inbox.held("p").unwrap(), vec![held("$y", 100)]);
+    // A delivered event is never held again, even if a replay shows it undecryptable.
+    inbox
+        .ingest_sync(
+            "p",
+            "t2",
+            SyncWrite {
+                hold: &[held("$x", 5)],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(inbox.held("p").unwrap().len(), 1);
+    assert_eq!(inbox.counts("p").unwrap().pending, 1);
 }
