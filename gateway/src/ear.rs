@@ -288,6 +288,12 @@ impl Ear {
                 }
             }
         }
+        self.thread_roots(
+            deliveries
+                .iter_mut()
+                .chain(hold.iter_mut().map(|h| &mut h.delivery)),
+        )
+        .await;
         let inbox = self.inbox.clone();
         let id = self.persona.id.clone();
         let next = resp.next_batch.clone();
@@ -310,6 +316,48 @@ impl Ear {
             self.signals.mail.notify_one();
         }
         Ok(assigned.len())
+    }
+
+    /// A thread message's context starts with its root. When the root is older than the
+    /// stored timeline it is fetched (`/event`); a failed fetch leaves the context as it is,
+    /// with a warning, and never fails the delivery.
+    async fn thread_roots<'d>(
+        &self,
+        deliveries: impl Iterator<Item = &'d mut wire::docs::Delivery>,
+    ) {
+        let mut fetched: HashMap<String, Option<wire::docs::ContextLine>> = HashMap::new();
+        for d in deliveries {
+            let Some(root) = d.thread_root.clone() else {
+                continue;
+            };
+            if d.context.iter().any(|c| c.event_id == root) {
+                continue;
+            }
+            if !fetched.contains_key(&root) {
+                let line = self.fetch_line(&d.room_id, &root).await;
+                if line.is_none() {
+                    tracing::warn!(persona = %self.persona.id, room = %d.room_id, root = %root, "thread root not fetched; context without it");
+                }
+                fetched.insert(root.clone(), line);
+            }
+            if let Some(Some(line)) = fetched.get(&root) {
+                d.context.insert(0, line.clone());
+                if d.context.len() > self.persona.limits.context_lines {
+                    d.context.remove(1);
+                }
+            }
+        }
+    }
+
+    async fn fetch_line(&self, room_id: &str, event_id: &str) -> Option<wire::docs::ContextLine> {
+        let room = self
+            .client
+            .get_room(&matrix_sdk::ruma::OwnedRoomId::try_from(room_id).ok()?)?;
+        let id = matrix_sdk::ruma::OwnedEventId::try_from(event_id).ok()?;
+        let ev = room.event(&id, None).await.ok()?;
+        let v: Value = serde_json::from_str(ev.raw().json().get()).ok()?;
+        let name = self.sender_name(&room, &v).await;
+        event::context_line(&v, name)
     }
 
     /// Retries the held (undecryptable) events: those that decrypt now, and those whose wait

@@ -391,3 +391,52 @@ async fn an_undecryptable_event_is_held_retried_then_delivered_as_a_placeholder(
     );
     gw.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
+    let scene = Scene::new("ear-root", Limits::Relaxed).await;
+    let hall = public_room(&scene.ann, "hall").await;
+    let p = persona(&scene.url, "vera", &["#hall:localhost"], &[]);
+    let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
+    let root = hall
+        .send(text("the root of it all"))
+        .await
+        .unwrap()
+        .response
+        .event_id;
+    for i in 0..gateway::inbox::TIMELINE_CAP + 6 {
+        hall.send(text(&format!("filler {i}"))).await.unwrap();
+    }
+    gw.until_pending(
+        gateway::inbox::TIMELINE_CAP as u64 + 7,
+        Duration::from_secs(30),
+    )
+    .await;
+    let n = gw.inbox.counts("vera").unwrap().highest;
+    gw.inbox.ack("vera", n).unwrap();
+    hall.send_raw(
+        "m.room.message",
+        serde_json::json!({"msgtype": "m.text", "body": "late in the thread",
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                             "m.in_reply_to": {"event_id": root}}}),
+    )
+    .await
+    .unwrap();
+    gw.until_pending(1, Duration::from_secs(20)).await;
+    let d = gw
+        .inbox
+        .pending("vera", n, 10, None)
+        .unwrap()
+        .deliveries
+        .remove(0);
+    assert_eq!(d.text, "late in the thread");
+    assert_eq!(
+        d.context
+            .iter()
+            .map(|c| c.text.as_str())
+            .collect::<Vec<_>>(),
+        ["the root of it all"],
+        "the root was trimmed from the stored timeline and must be fetched"
+    );
+    gw.stop().await;
+}
