@@ -239,7 +239,7 @@ impl Ear {
             ) {
                 events = self.gap_fill(&room, prev, since).await?;
             }
-            let mail_from = events.len() + joined_at.map_or(0, |i| i + 1);
+            let mail_from = joined_at.map_or(0, |i| events.len() + i + 1);
             events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
             for (i, (utd, ev)) in events.into_iter().enumerate() {

@@ -337,6 +337,22 @@ impl Inbox {
             .collect()
     }
 
+    /// The rooms with a stored timeline.
+    pub fn timeline_rooms(&self, persona: &str) -> Result<Vec<String>, InboxError> {
+        let prefix = kkey(TIMELINE, persona, b"");
+        let mut rooms: Vec<String> = Vec::new();
+        for k in self.tree.scan_prefix(&prefix).keys() {
+            let k = k?;
+            let rest = &k[prefix.len()..];
+            let room = rest.split(|b| *b == 0).next().unwrap_or_default();
+            let room = String::from_utf8_lossy(room).into_owned();
+            if rooms.last() != Some(&room) {
+                rooms.push(room);
+            }
+        }
+        Ok(rooms)
+    }
+
     /// The stored sync position (`None` before the first sync).
     pub fn sync_token(&self, persona: &str) -> Result<Option<String>, InboxError> {
         Ok(self

@@ -14,6 +14,10 @@
 //! - A reply naming a room that is not hers, or no structured reply, sends nothing; the next
 //!   batch carries a correction note. A prompt-too-long or blocking-limit refusal starts a
 //!   fresh session (generation + 1) and retries the batch there.
+//! - The refresh policy (`session::policy::decide`) runs before each turn and on the timer it
+//!   asks for while idle: a fresh start (compaction is carried out as a fresh start too) gives
+//!   the new session the last lines of her rooms; keep-warm refreshes the cache with a forked,
+//!   unpersisted request; an idle process is evicted (its session stays resumable).
 //! - Each turn's telemetry is written to `STATE/personas/ID/status.json` (last 50 turns).
 
 use std::collections::{BTreeMap, VecDeque};
@@ -22,8 +26,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use session::cost::Prices;
 use session::driver::{Cli, CliConfig, DriverError, Turn};
-use session::policy::Outcome;
+use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
 use session::render::{self, Seen};
 use sha2::{Digest, Sha256};
 use tokio::sync::{watch, Notify};
@@ -87,6 +92,10 @@ pub struct TurnRecord {
     pub cli_cost_usd: f64,
     /// Says sent.
     pub says: usize,
+    /// The policy's decision before the turn.
+    pub decision: String,
+    /// Billed cost by the price table (dollars).
+    pub cost_usd: f64,
     /// What became of the reply.
     pub outcome: String,
 }
@@ -115,6 +124,11 @@ pub struct TurnLoop {
     prompt_hash: String,
     status_path: PathBuf,
     status: StatusFile,
+    telemetry: Telemetry,
+    policy: PolicyConfig,
+    prices: Prices,
+    prompt_tokens: u64,
+    fired: Option<Instant>,
 }
 
 impl std::fmt::Debug for TurnLoop {
@@ -154,7 +168,13 @@ impl TurnLoop {
             generation,
             ..StatusFile::default()
         };
+        let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         Ok(Self {
+            telemetry: Telemetry::default(),
+            policy: PolicyConfig::for_ttl(base.cache_ttl),
+            prices: Prices::default(),
+            prompt_tokens,
+            fired: None,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path: state_dir
                 .join("personas")
@@ -192,17 +212,73 @@ impl TurnLoop {
                     }
                 }
             }
-            let forced = tokio::select! {
-                _ = self.signals.mail.notified() => false,
-                _ = self.turn_requests.notified() => true,
-                _ = stop.changed() => break,
+            let forced = loop {
+                self.telemetry.batch_waiting = false;
+                self.telemetry.process = if self.cli.is_some() {
+                    Process::Running
+                } else {
+                    Process::Stopped
+                };
+                // A check that already fired and changed nothing is not repeated.
+                let at = policy::next_check(&self.telemetry, &self.policy)
+                    .filter(|at| Some(*at) != self.fired);
+                let timer = at.map(tokio::time::Instant::from_std);
+                let sleep = async {
+                    match timer {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = self.signals.mail.notified() => break false,
+                    _ = self.turn_requests.notified() => break true,
+                    _ = stop.changed() => return self.shutdown().await,
+                    _ = sleep => {
+                        self.fired = at;
+                        self.idle_check().await;
+                    }
+                }
             };
             if !forced && !self.debounce(&mut stop).await {
                 break;
             }
         }
+        self.shutdown().await;
+    }
+
+    async fn shutdown(&mut self) {
         if let Some(cli) = self.cli.take() {
             cli.shutdown(Duration::from_secs(5)).await;
+        }
+    }
+
+    /// While idle, at the time the policy asked for: keep the cache warm or evict.
+    async fn idle_check(&mut self) {
+        let now = Instant::now();
+        let decision = policy::decide(&self.telemetry, now, &self.policy);
+        tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.telemetry, "idle decision");
+        match decision {
+            Decision::KeepWarm => {
+                let Some(sid) = self.status.session_id.clone() else {
+                    return;
+                };
+                match session::driver::refresh_fork(&self.base, &sid).await {
+                    Ok(r) => {
+                        let cost = r.usage.usage().cost(&self.prices);
+                        self.telemetry.after_keep_warm(cost, Instant::now());
+                    }
+                    Err(e) => {
+                        tracing::warn!(persona = %self.persona.id, error = %e, "keep-warm failed");
+                        // Do not try again before the next turn.
+                        self.telemetry.last_cache_touch = None;
+                    }
+                }
+            }
+            Decision::Evict => {
+                self.shutdown().await;
+                self.telemetry.process = Process::Stopped;
+            }
+            _ => {}
         }
     }
 
@@ -313,6 +389,7 @@ impl TurnLoop {
             Some(&self.status.generation.to_string()),
         )?;
         self.status.session_id = None;
+        self.telemetry.after_fresh_start();
         Ok(())
     }
 
@@ -362,7 +439,28 @@ impl TurnLoop {
             self.mouth.typing(r, true).await;
         }
         let started = Instant::now();
-        let text = render::render(batch, &mut self.seen, self.note.as_deref());
+        let rehydration = self.rehydration();
+        self.telemetry.batch_waiting = true;
+        self.telemetry.process = if self.cli.is_some() {
+            Process::Running
+        } else {
+            Process::Stopped
+        };
+        self.telemetry.base_tokens = self.prompt_tokens;
+        self.telemetry.rehydration_tokens = self.prompt_tokens + rehydration.len() as u64 / 4;
+        let decision = if self.status.session_id.is_none() {
+            Decision::Continue
+        } else {
+            policy::decide(&self.telemetry, started, &self.policy)
+        };
+        tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
+        if let Decision::FreshStart(r) | Decision::Compact(r) = decision {
+            self.fresh_start(&format!("{r:?}"))?;
+        }
+        let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
+        if self.status.session_id.is_none() && self.turns_done() > 0 {
+            text.push_str(&rehydration);
+        }
         let mut turn = self.run_cli(&text).await;
         if let Ok(t) = &turn {
             if matches!(
@@ -370,7 +468,8 @@ impl TurnLoop {
                 Outcome::PromptTooLong | Outcome::BlockingLimit
             ) {
                 self.fresh_start("the session refused the turn (context full)")?;
-                let text = render::render(batch, &mut self.seen, self.note.as_deref());
+                let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
+                text.push_str(&rehydration);
                 turn = self.run_cli(&text).await;
             }
         }
@@ -441,6 +540,8 @@ impl TurnLoop {
             self.mouth.read_receipt(room, event).await;
         }
         let usage = res.usage.usage();
+        self.telemetry
+            .after_turn(&usage, res.outcome(), Instant::now(), &self.prices);
         let record = TurnRecord {
             first_seq: first,
             last_seq: last,
@@ -453,11 +554,46 @@ impl TurnLoop {
             hit_ratio: usage.hit_ratio(),
             cli_cost_usd: res.total_cost_usd,
             says,
+            decision: format!("{decision:?}"),
+            cost_usd: usage.cost(&self.prices),
             outcome,
         };
         tracing::info!(?record, "turn done");
         self.write_status(record);
         Ok(())
+    }
+
+    fn turns_done(&self) -> u64 {
+        self.status.turns_total + u64::from(self.status.generation > 0)
+    }
+
+    /// The last lines of her rooms, for a fresh session.
+    fn rehydration(&self) -> String {
+        let id = &self.persona.id;
+        let rooms: Vec<(String, Vec<wire::docs::ContextLine>)> = self
+            .inbox
+            .timeline_rooms(id)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|room| {
+                let lines = self
+                    .inbox
+                    .timeline(id, &room)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|l| l.line)
+                    .collect();
+                (room, lines)
+            })
+            .collect();
+        let refs: Vec<(&str, Vec<wire::docs::ContextLine>)> =
+            rooms.iter().map(|(r, l)| (r.as_str(), l.clone())).collect();
+        render::rehydration(
+            None,
+            &refs,
+            self.persona.limits.context_lines,
+            self.persona.limits.context_bytes / 2,
+        )
     }
 
     fn write_status(&mut self, record: TurnRecord) {

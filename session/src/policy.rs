@@ -137,6 +137,38 @@ pub struct Telemetry {
     pub keep_warm_cost: f64,
 }
 
+impl Telemetry {
+    /// Books a finished turn: its usage (the last request's), how it ended, when.
+    pub fn after_turn(
+        &mut self,
+        usage: &crate::cost::Usage,
+        outcome: Outcome,
+        now: Instant,
+        prices: &Prices,
+    ) {
+        self.prefix_tokens = usage.prompt_tokens() + usage.output;
+        self.excess_read_cost += Prices::dollars(
+            usage.cache_read.saturating_sub(self.rehydration_tokens),
+            prices.cache_read,
+        );
+        self.last_cache_touch = Some(now);
+        self.last_turn_at = Some(now);
+        self.last_outcome = outcome;
+        self.keep_warm_cost = 0.0;
+    }
+
+    /// Books a fresh start: the ski-rental account starts over.
+    pub fn after_fresh_start(&mut self) {
+        self.excess_read_cost = 0.0;
+    }
+
+    /// Books a keep-warm refresh that cost `dollars`.
+    pub fn after_keep_warm(&mut self, dollars: f64, now: Instant) {
+        self.keep_warm_cost += dollars;
+        self.last_cache_touch = Some(now);
+    }
+}
+
 /// Why a session is compacted or restarted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reason {

@@ -11,7 +11,7 @@ use std::collections::{HashSet, VecDeque};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
-use wire::docs::{Delivery, DeliveryKind};
+use wire::docs::{ContextLine, Delivery, DeliveryKind};
 
 /// Event ids the live session has already been shown, at most this many (oldest forgotten).
 pub const SEEN_CAPACITY: usize = 8192;
@@ -275,6 +275,52 @@ pub fn validate(
     Ok(reply)
 }
 
+/// What a fresh session is given after the batch that starts it: the Persona's state (when
+/// there is one) and the last `per_room` lines of each room, at most `max_bytes` of lines (the
+/// newest kept), so she picks up where the old session left off without its whole history.
+pub fn rehydration(
+    state: Option<&str>,
+    rooms: &[(&str, Vec<ContextLine>)],
+    per_room: usize,
+    max_bytes: usize,
+) -> String {
+    let mut s = String::new();
+    if let Some(state) = state {
+        let _ = write!(s, "\n## your state\n{state}\n");
+    }
+    s.push_str("\n## recent lines (before this session)\n");
+    let mut kept: Vec<String> = Vec::new();
+    let mut bytes = 0;
+    'rooms: for (room, lines) in rooms {
+        for l in lines.iter().rev().take(per_room) {
+            let line = format!("{room} {}: {}\n", l.sender, l.text);
+            if bytes + line.len() > max_bytes {
+                break 'rooms;
+            }
+            bytes += line.len();
+            kept.push(line);
+        }
+    }
+    // Rooms in their given order, each room's lines oldest first.
+    let mut out_rooms: Vec<Vec<String>> = Vec::new();
+    let mut current = String::new();
+    for line in kept {
+        let room = line.split(' ').next().unwrap_or_default().to_owned();
+        if room != current || out_rooms.is_empty() {
+            out_rooms.push(Vec::new());
+            current = room;
+        }
+        if let Some(r) = out_rooms.last_mut() {
+            r.push(line);
+        }
+    }
+    for mut r in out_rooms {
+        r.reverse();
+        s.extend(r);
+    }
+    s
+}
+
 /// The request id of say `index` of the batch covering seqs `first..=last`: stable across
 /// retries and restarts, so the mouth sends each say once.
 pub fn say_request_id(persona: &str, first: u64, last: u64, index: usize) -> String {
@@ -284,7 +330,6 @@ pub fn say_request_id(persona: &str, first: u64, last: u64, index: usize) -> Str
 #[cfg(test)]
 mod tests {
     use super::*;
-    use wire::docs::ContextLine;
 
     fn d(seq: u64, room: &str, direct: bool, text: &str) -> Delivery {
         Delivery {
@@ -442,5 +487,28 @@ mod tests {
         let schema: serde_json::Value = serde_json::from_str(&reply_schema()).unwrap();
         assert_eq!(schema["required"][0], "say");
         assert_eq!(say_request_id("mira", 3, 5, 1), "turn:mira:3-5:1");
+    }
+
+    #[test]
+    fn rehydration_keeps_the_last_lines_of_each_room_and_the_state() {
+        let line = |t: &str| ContextLine {
+            event_id: format!("${t}"),
+            sender: "@a:l".into(),
+            sender_name: None,
+            ts: 0,
+            text: t.into(),
+        };
+        let rooms = vec![
+            ("!a", vec![line("a1"), line("a2"), line("a3")]),
+            ("!b", vec![line("b1")]),
+        ];
+        let r = rehydration(Some("calm"), &rooms, 2, 10_000);
+        assert!(r.contains("## your state\ncalm"));
+        assert!(!r.contains("a1") && r.contains("!a @a:l: a2\n!a @a:l: a3\n!b @a:l: b1"));
+        assert!(!rehydration(None, &rooms, 2, 10_000).contains("your state"));
+        // A byte cap keeps the newest lines of the first rooms ("!a @a:l: a3\n" is 12 bytes).
+        let capped = rehydration(None, &rooms, 2, 24);
+        assert!(capped.ends_with("!a @a:l: a2\n!a @a:l: a3\n"), "{capped}");
+        assert!(!rehydration(None, &rooms, 2, 11).contains("!a"));
     }
 }

@@ -109,13 +109,12 @@ impl Timelines {
         });
     }
     fn rehydration(&self, state: &str) -> String {
-        let mut s = format!("\n## your state\n{state}\n## recent lines\n");
-        for (room, lines) in &self.0 {
-            for l in lines.iter().rev().take(10).rev() {
-                s.push_str(&format!("{room} {}: {}\n", l.sender, l.text));
-            }
-        }
-        s
+        let rooms: Vec<(&str, Vec<ContextLine>)> = self
+            .0
+            .iter()
+            .map(|(room, lines)| (room.as_str(), lines.iter().cloned().collect()))
+            .collect();
+        session::render::rehydration(Some(state), &rooms, 10, usize::MAX)
     }
     fn context(&self, room: &str) -> Vec<ContextLine> {
         let mut c: Vec<ContextLine> = self
@@ -222,8 +221,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
                         let _ = refresh_fork(&base_cfg, id).await;
                     }
                     let spent: f64 = mock.ledger()[before..].iter().map(|e| e.cost).sum();
-                    t.keep_warm_cost += spent;
-                    t.last_cache_touch = Some(origin + offset);
+                    t.after_keep_warm(spent, origin + offset);
                     last_touch_off = offset;
                     kw += 1;
                 }
@@ -264,7 +262,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             }
             sid = Some(tests::claude_cli::new_session_id());
             seen.clear();
-            t.excess_read_cost = 0.0;
+            t.after_fresh_start();
         }
         let mut text = render(&ds, &mut seen, None);
         if fresh {
@@ -302,15 +300,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             restarted: fresh,
         });
         last_touch_off = offset;
-        t.prefix_tokens = u.prompt_tokens() + u.output;
-        t.excess_read_cost += Prices::dollars(
-            u.cache_read.saturating_sub(t.rehydration_tokens),
-            prices.cache_read,
-        );
-        t.last_cache_touch = Some(origin + offset);
-        t.last_turn_at = Some(origin + offset);
-        t.last_outcome = turn.result.outcome();
-        t.keep_warm_cost = 0.0;
+        t.after_turn(&u, turn.result.outcome(), origin + offset, &prices);
         for d in &ds {
             timelines.push(d);
         }

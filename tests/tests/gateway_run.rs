@@ -51,17 +51,19 @@ async fn wait_for_reply(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed() {
-    let scene = Scene::new("run-live", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let token = scene.vera_token.clone();
+/// Writes her doctrine (`repeat` sentences) and API key, and returns the live
+/// `[persona.session]` section (plus `extra` lines) and the doctrine's path.
+fn live_section(
+    dir: &std::path::Path,
+    mock: &MockApi,
+    repeat: usize,
+    extra: &str,
+) -> (String, std::path::PathBuf) {
     let prompt = dir.join("doctrine.md");
-    std::fs::write(&prompt, "You are Vera. ".repeat(800)).unwrap();
+    std::fs::write(&prompt, "You are Vera. ".repeat(repeat)).unwrap();
     let key = dir.join("api.key");
     write_private(&key, "mock-key");
-    let session = format!(
+    let section = format!(
         r#"
 [persona.session]
 mode = "live"
@@ -73,15 +75,17 @@ api_key_file = "{key}"
 debounce_ms = 200
 max_wait_ms = 1000
 turn_timeout_secs = 60
-"#,
+{extra}"#,
         claude = tests::claude_cli::executable().display(),
         prompt = prompt.display(),
         api = mock.url(),
         key = key.display(),
     );
-    let config = write_config(&dir, &url, &token, &[], &["@ann:localhost"], &session);
-    let gw = GatewayProcess::start(&config);
+    (section, prompt)
+}
 
+/// The operator opens an encrypted DM with vera and waits until she has joined.
+async fn open_dm(ann: &matrix_sdk::Client, gw: &GatewayProcess) -> matrix_sdk::Room {
     let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
     let dm = ann.create_dm(&vera).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -93,6 +97,20 @@ turn_timeout_secs = 60
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    dm
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed() {
+    let scene = Scene::new("run-live", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let token = scene.vera_token.clone();
+    let (session, prompt) = live_section(&dir, &mock, 800, "");
+    let config = write_config(&dir, &url, &token, &[], &["@ann:localhost"], &session);
+    let gw = GatewayProcess::start(&config);
+
+    let dm = open_dm(ann, &gw).await;
     let room = dm.room_id().to_string();
     mock.script(serde_json::json!({"say": [{"room": room, "text": "hello ann"}]}));
     dm.send(RoomMessageEventContent::text_plain("hello vera"))
@@ -238,4 +256,64 @@ async fn a_rejected_token_stops_only_that_persona() {
             .collect::<Vec<_>>(),
         ["still heard"]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_context_starts_a_fresh_session_that_is_given_the_recent_lines() {
+    let scene = Scene::new("run-fresh", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    // A small model window, so the conversation outgrows it within a few turns.
+    let mock = MockApi::start(MockConfig {
+        context_window: 3_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(
+        &dir,
+        &mock,
+        100,
+        "\n[persona.limits]\ncontext_bytes = 2048\n",
+    );
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let dm = open_dm(ann, &gw).await;
+    let room = dm.room_id().to_string();
+    let mut want = Vec::new();
+    for i in 0..8 {
+        let answer = format!("answer {i}");
+        mock.script(serde_json::json!({"say": [{"room": room, "text": answer}]}));
+        // The refused request takes no script (it never reaches the reply), so one suffices.
+        let long = format!("message {i}: {}", "words of some length ".repeat(75));
+        dm.send(RoomMessageEventContent::text_plain(long))
+            .await
+            .unwrap();
+        want.push(answer.clone());
+        let got = wait_for_reply(ann, &dm, &answer, Duration::from_secs(90)).await;
+        assert_eq!(got, want, "log:\n{}", gw.log());
+    }
+    let ledger = mock.ledger();
+    assert!(
+        ledger.iter().any(|e| e.status == 400),
+        "the window was never exceeded: the test proves nothing"
+    );
+    assert!(
+        ledger.iter().any(|e| e.status == 200
+            && e.last_user_text
+                .contains("recent lines (before this session)")),
+        "no fresh session was given the recent lines"
+    );
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(status["generation"].as_u64().unwrap_or(0) >= 1, "{status}");
+    assert_eq!(gw.stop().code(), Some(0));
 }
