@@ -68,7 +68,8 @@ pub enum TurnError {
 }
 
 /// One turn's record (status file).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct TurnRecord {
     /// Batch seqs.
     pub first_seq: u64,
@@ -100,7 +101,8 @@ pub struct TurnRecord {
     pub outcome: String,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+#[serde(default)]
 struct StatusFile {
     persona: String,
     session_id: Option<String>,
@@ -162,11 +164,21 @@ impl TurnLoop {
             .session_value(&persona.id, "generation")?
             .and_then(|g| g.parse().ok())
             .unwrap_or(0);
+        let status_path = state_dir
+            .join("personas")
+            .join(&persona.id)
+            .join("status.json");
+        // The turn history of earlier runs is kept; identity comes from the inbox.
+        let earlier: StatusFile = std::fs::read(&status_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         let status = StatusFile {
             persona: persona.id.clone(),
             session_id: inbox.session_value(&persona.id, "session_id")?,
             generation,
-            ..StatusFile::default()
+            turns_total: earlier.turns_total,
+            turns: earlier.turns,
         };
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         Ok(Self {
@@ -176,10 +188,7 @@ impl TurnLoop {
             prompt_tokens,
             fired: None,
             prompt_hash: hash_file(&base.system_prompt_file),
-            status_path: state_dir
-                .join("personas")
-                .join(&persona.id)
-                .join("status.json"),
+            status_path,
             persona,
             inbox,
             mouth,

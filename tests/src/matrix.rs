@@ -199,7 +199,18 @@ pub fn gateway_bin() -> PathBuf {
             .map(|d| d.join("cultnet-gateway"))
             .find(|p| p.exists())
     };
-    if let Some(bin) = find() {
+    // `cargo test -p tests` alone does not rebuild another package's binary: rebuild it when
+    // a source it is made of is newer.
+    let fresh = |bin: &Path| {
+        let built = std::fs::metadata(bin).and_then(|m| m.modified()).ok();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let newest = ["gateway/src", "session/src", "wire/src"]
+            .iter()
+            .filter_map(|d| newest_mtime(&root.join(d)))
+            .max();
+        matches!((built, newest), (Some(b), Some(n)) if b >= n)
+    };
+    if let Some(bin) = find().filter(|b| fresh(b)) {
         return bin;
     }
     let release = exe.ancestors().any(|d| d.ends_with("release"));
@@ -211,6 +222,19 @@ pub fn gateway_bin() -> PathBuf {
         .success();
     assert!(ok, "building cultnet-gateway failed");
     find().expect("cultnet-gateway after building it")
+}
+
+fn newest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
+    let mut newest = None;
+    for e in std::fs::read_dir(dir).ok()?.flatten() {
+        let t = if e.file_type().ok()?.is_dir() {
+            newest_mtime(&e.path())
+        } else {
+            e.metadata().and_then(|m| m.modified()).ok()
+        };
+        newest = newest.max(t);
+    }
+    newest
 }
 
 /// Writes `text` to `path` with mode 0600 (token and key files).

@@ -163,6 +163,66 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
     let c = inbox.counts("vera").unwrap();
     assert_eq!((c.highest, c.acked_through, c.pending), (2, 2, 0));
+    drop(inbox);
+    let before_restart = mock
+        .ledger()
+        .into_iter()
+        .rfind(|e| e.status == 200)
+        .unwrap();
+
+    // After a gateway restart the same session continues (the old history is the prefix the
+    // mock sees), and an overloaded API (the CLI's own retries exhausted) is retried later.
+    let gw = GatewayProcess::start(&config);
+    for _ in 0..3 {
+        mock.inject(Fault::Overloaded);
+    }
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "third answer"}]}));
+    let from = mock.ledger().len();
+    dm.send(RoomMessageEventContent::text_plain(
+        "still there after a restart?",
+    ))
+    .await
+    .unwrap();
+    let got = wait_for_reply(ann, &dm, "third answer", Duration::from_secs(90)).await;
+    assert_eq!(
+        got,
+        ["hello ann", "second answer", "third answer"],
+        "log:\n{}",
+        gw.log()
+    );
+    let after: Vec<_> = mock.ledger()[from..].to_vec();
+    assert_eq!(
+        after.iter().filter(|e| e.status == 529).count(),
+        3,
+        "{after:?}"
+    );
+    let resumed = after.iter().find(|e| e.status == 200).unwrap();
+    let old = &before_restart.block_hashes;
+    assert!(
+        resumed.block_hashes.len() > old.len()
+            && resumed.block_hashes[..old.len() - 1] == old[..old.len() - 1],
+        "the resumed request does not continue the old conversation"
+    );
+    assert!(
+        resumed.usage.cache_read > 0,
+        "the old history was not read from cache"
+    );
+    let status2: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(status2["session_id"], status["session_id"]);
+    assert_eq!(status2["turns_total"], 3, "{status2}");
+    // `cultnet-gateway status` shows the same.
+    let shown = std::process::Command::new(tests::matrix::gateway_bin())
+        .args(["status", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["vera"]["session_id"], status["session_id"]);
+    assert_eq!(shown["vera"]["turns"].as_array().map(Vec::len), Some(3));
+    assert_eq!(gw.stop().code(), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

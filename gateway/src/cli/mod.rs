@@ -23,6 +23,13 @@ enum Command {
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
     },
+    /// Print each Persona's session status (the status files the running gateway writes):
+    /// session id and generation, and the last turns with usage, cost and decisions.
+    Status {
+        /// The configuration file.
+        #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
+        config: PathBuf,
+    },
     /// Wire-level debugging tools.
     Wire {
         #[command(subcommand)]
@@ -78,8 +85,32 @@ impl From<anyhow::Error> for Failure {
 pub(crate) fn run(args: Args) -> Result<(), Failure> {
     match args.command {
         Command::Run { config } => run::run(&config),
+        Command::Status { config } => status(&config),
         Command::Wire {
             command: WireCommand::Decode { file },
         } => decode::run(&file),
     }
+}
+
+fn status(config: &std::path::Path) -> Result<(), Failure> {
+    let cfg = gateway::config::Config::load(config).map_err(|e| Failure::input(e.into()))?;
+    let mut out = serde_json::Map::new();
+    for p in &cfg.personas {
+        let path = cfg
+            .state_dir
+            .join("personas")
+            .join(&p.id)
+            .join("status.json");
+        let value = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(
+                |e| serde_json::json!({"error": format!("{} is unreadable: {e}", path.display())}),
+            ),
+            Err(_) => {
+                serde_json::json!({"session": format!("{:?}", p.session.mode), "turns_total": 0})
+            }
+        };
+        out.insert(p.id.clone(), value);
+    }
+    println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+    Ok(())
 }
