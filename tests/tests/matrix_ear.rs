@@ -438,5 +438,22 @@ async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
         ["the root of it all"],
         "the root was trimmed from the stored timeline and must be fetched"
     );
+
+    // A DM invite from someone who is not her operator is ignored (she has none here).
+    scene.hs.register("eve", "eve-pw");
+    let eve = user_client(&scene.url, "eve", "eve-pw", &scene.dir.join("eve")).await;
+    let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
+    let spam = eve.create_dm(&vera).await.unwrap();
+    for _ in 0..3 {
+        gw.ear.round(Duration::from_millis(300)).await.unwrap();
+    }
+    assert!(
+        !has_joined(&eve, &spam, &vera).await,
+        "she joined a stranger's DM"
+    );
+    assert!(gw
+        .client
+        .get_room(spam.room_id())
+        .is_none_or(|r| r.state() != matrix_sdk::RoomState::Joined));
     gw.stop().await;
 }
