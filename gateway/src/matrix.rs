@@ -171,7 +171,14 @@ pub async fn connect(
     let id = persona.id.as_str();
     let paths = Paths::new(state_dir, id);
     let record: Option<SessionRecord> = match std::fs::read(&paths.record) {
-        Ok(bytes) => serde_json::from_slice(&bytes).ok(),
+        // An unreadable record must not pass for a missing one: that would skip the checks.
+        Ok(bytes) => Some(
+            serde_json::from_slice(&bytes).map_err(|e| MatrixError::Record {
+                persona: id.to_owned(),
+                path: paths.record.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            })?,
+        ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => {
             return Err(MatrixError::Record {
@@ -443,6 +450,12 @@ access_token_file = "/nonexistent"
             text.contains("NEW device id") && text.contains("session.json"),
             "{text}"
         );
+        // An unreadable record is an error, not a missing record (which would skip the check).
+        std::fs::write(&paths.record, "{not json").unwrap();
+        let err = rt
+            .block_on(connect(&persona, &dir, &Secret::new("t".into()), None))
+            .unwrap_err();
+        assert!(matches!(err, MatrixError::Record { .. }), "{err}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

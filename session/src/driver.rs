@@ -23,8 +23,8 @@ use tracing::{debug, warn};
 use crate::cost::Ttl;
 use crate::proto::{self, Event, ResultEvent};
 
-/// How to start the CLI.
-#[derive(Clone, Debug)]
+/// How to start the CLI. Its `Debug` leaves the API key out.
+#[derive(Clone)]
 pub struct CliConfig {
     /// The `claude` executable.
     pub exe: PathBuf,
@@ -59,6 +59,22 @@ pub struct CliConfig {
     pub turn_timeout: Duration,
     /// Wait this long for the interrupted turn's result, or for readiness, before killing.
     pub grace: Duration,
+}
+
+impl std::fmt::Debug for CliConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CliConfig")
+            .field("exe", &self.exe)
+            .field("model", &self.model)
+            .field("system_prompt_file", &self.system_prompt_file)
+            .field("config_dir", &self.config_dir)
+            .field("api_base_url", &self.api_base_url)
+            .field("api_key", &"<redacted>")
+            .field("cache_ttl", &self.cache_ttl)
+            .field("session_id", &self.session_id)
+            .field("resume", &self.resume)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What can go wrong driving the CLI.
@@ -358,5 +374,37 @@ impl Cli {
             .await
             .map_err(DriverError::Write)?;
         self.stdin.flush().await.map_err(DriverError::Write)
+    }
+}
+
+#[cfg(test)]
+mod debug_tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_api_key() {
+        let cfg = CliConfig {
+            exe: "claude".into(),
+            model: "m".into(),
+            system_prompt_file: "p".into(),
+            json_schema: "{}".into(),
+            config_dir: "c".into(),
+            work_dir: "w".into(),
+            api_base_url: "http://x".into(),
+            api_key: "sk-very-secret".into(),
+            cache_ttl: Ttl::OneHour,
+            thinking: false,
+            session_id: None,
+            resume: false,
+            system_prompt_changed: false,
+            max_retries: None,
+            turn_timeout: Duration::from_secs(1),
+            grace: Duration::from_secs(1),
+        };
+        let shown = format!("{cfg:?}");
+        assert!(
+            !shown.contains("sk-very-secret") && shown.contains("<redacted>"),
+            "{shown}"
+        );
     }
 }
