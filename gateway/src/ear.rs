@@ -205,9 +205,7 @@ impl Ear {
         }
         let (mut deliveries, release) = self.retry_held().await?;
         let mut hold = Vec::new();
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
+        let now_ms = unix_ms();
         let mut lines = Vec::new();
         for (room_id, update) in &resp.rooms.joined {
             let Some(room) = self.client.get_room(room_id) else {
@@ -366,9 +364,7 @@ impl Ear {
         let held = self.inbox.held(&self.persona.id)?;
         let mut out = Vec::new();
         let mut release = Vec::new();
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
+        let now_ms = unix_ms();
         let wait_ms = self
             .persona
             .limits
@@ -541,4 +537,11 @@ pub async fn join_configured(
         }
     }
     (joined, failed)
+}
+
+/// Wall-clock milliseconds since the epoch (0 if the clock is before it).
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }

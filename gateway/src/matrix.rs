@@ -362,7 +362,7 @@ pub fn classify_http(e: &HttpError) -> Failure {
     }
 }
 
-/// Exponential backoff with a cap; the server's requested wait wins when it is longer.
+/// Exponential backoff with a cap; a wait the server asked for is used as given.
 #[derive(Debug, Clone)]
 pub struct Backoff {
     next: Duration,
@@ -384,7 +384,7 @@ impl Backoff {
     pub fn next(&mut self, retry_after: Option<Duration>) -> Duration {
         let ours = self.next;
         self.next = (self.next * 2).min(self.max);
-        retry_after.map_or(ours, |r| r.max(ours.min(r)))
+        retry_after.unwrap_or(ours)
     }
 
     /// After a success.

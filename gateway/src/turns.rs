@@ -467,7 +467,9 @@ impl TurnLoop {
             self.fresh_start(&format!("{r:?}"))?;
         }
         let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
-        if self.status.session_id.is_none() && self.turns_done() > 0 {
+        // A session after an earlier one (not her very first) is given the recent lines.
+        let had_session = self.status.turns_total > 0 || self.status.generation > 0;
+        if self.status.session_id.is_none() && had_session {
             text.push_str(&rehydration);
         }
         let mut turn = self.run_cli(&text).await;
@@ -570,10 +572,6 @@ impl TurnLoop {
         tracing::info!(?record, "turn done");
         self.write_status(record);
         Ok(())
-    }
-
-    fn turns_done(&self) -> u64 {
-        self.status.turns_total + u64::from(self.status.generation > 0)
     }
 
     /// The last lines of her rooms, for a fresh session.

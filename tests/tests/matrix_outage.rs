@@ -26,6 +26,11 @@ async fn wait_pending(inbox: &gateway::inbox::Inbox, want: u64, within: Duration
     }
 }
 
+fn pending_texts(inbox: &gateway::inbox::Inbox) -> Vec<String> {
+    let page = inbox.pending("vera", 0, 100, None).unwrap();
+    page.deliveries.into_iter().map(|d| d.text).collect()
+}
+
 fn say(id: &str, text: &str) -> SendRequest {
     SendRequest {
         request_id: id.into(),
@@ -75,13 +80,7 @@ async fn a_full_inbox_holds_the_ear_back_until_acks_free_room() {
         wait_pending(&inbox, 10 - held, Duration::from_secs(20)).await,
         10 - held
     );
-    let texts: Vec<_> = inbox
-        .pending("vera", 0, 100, None)
-        .unwrap()
-        .deliveries
-        .into_iter()
-        .map(|d| d.text)
-        .collect();
+    let texts = pending_texts(&inbox);
     assert_eq!(texts.last().map(String::as_str), Some("later 3"));
     let _ = stop.send(true);
     ear.await.unwrap();
@@ -155,13 +154,7 @@ async fn a_homeserver_outage_of_20_s_loses_nothing() {
         stats.errors.load(Ordering::Relaxed) > 0,
         "the ear never saw the outage"
     );
-    let texts: Vec<_> = inbox
-        .pending("vera", 0, 100, None)
-        .unwrap()
-        .deliveries
-        .into_iter()
-        .map(|d| d.text)
-        .collect();
+    let texts = pending_texts(&inbox);
     assert_eq!(
         texts,
         ["before 0", "before 1", "before 2", "after 0", "after 1", "after 2"]
