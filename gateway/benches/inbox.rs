@@ -1,11 +1,12 @@
-//! Inbox ingest with durability: sync responses of 100 deliveries, each stored in one sled
-//! transaction and flushed (fsync) before it counts. Prints deliveries/s and the latency from a
+//! Inbox ingest with durability: sync responses of 100 deliveries and their 100 timeline lines,
+//! each response stored as one atomic sled batch and flushed (fsync) before it counts, as the ear
+//! does. Prints deliveries/s and the latency from a
 //! sync response to its deliveries being visible (p50, p99), homeserver excluded.
 //! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300).
 
 use std::time::{Duration, Instant};
 
-use gateway::inbox::Inbox;
+use gateway::inbox::{Inbox, SyncWrite, TimelineLine};
 use wire::docs::{ContextLine, Delivery};
 
 fn main() {
@@ -42,9 +43,31 @@ fn main() {
                 ..Delivery::default()
             })
             .collect();
+        let lines: Vec<TimelineLine> = batch
+            .iter()
+            .map(|d| TimelineLine {
+                room_id: d.room_id.clone(),
+                thread: None,
+                line: ContextLine {
+                    event_id: d.event_id.clone(),
+                    sender: d.sender.clone(),
+                    sender_name: None,
+                    ts: 0,
+                    text: d.text.clone(),
+                },
+            })
+            .collect();
         let t0 = Instant::now();
         inbox
-            .ingest("mira", &format!("s{r}"), &batch)
+            .ingest_sync(
+                "mira",
+                &format!("s{r}"),
+                SyncWrite {
+                    deliveries: &batch,
+                    lines: &lines,
+                    ..SyncWrite::default()
+                },
+            )
             .expect("ingest");
         lat.push(t0.elapsed());
         // Keep the inbox at a realistic size: ack what the consumer would have handled.
@@ -58,7 +81,7 @@ fn main() {
     let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
-        "inbox ingest, 100 deliveries per sync response, flushed: {:.0} deliveries/s ({responses} responses); sync response -> visible: p50 {:.0} us, p99 {:.0} us",
+        "inbox ingest, 100 deliveries and 100 timeline lines per sync response, flushed: {:.0} deliveries/s ({responses} responses); sync response -> visible: p50 {:.0} us, p99 {:.0} us",
         (responses * 100) as f64 / total.as_secs_f64(),
         us(pct(50)),
         us(pct(99))

@@ -1,30 +1,39 @@
 //! The durable inbox: what was said to each Persona, kept until it is acknowledged.
 //!
 //! One sled tree `inbox` holds every Persona; each key starts with a kind byte and the Persona id:
-//! - `d` persona, seq -> delivery (MessagePack)
-//! - `e` persona, event id -> seq (deduplication; kept after ack, because sync is
-//!   at-least-once and may hand an acknowledged event back)
-//! - `m` persona, name -> value (`next_seq`, `acked`, `token`, `tl_next`, and `s:NAME` for
-//!   the session's values)
+//! - `c` persona, last seq -> a chunk: the deliveries of one sync response (MessagePack array
+//!   of encoded deliveries), removed once all of it is acknowledged
+//! - `x` persona, last seq -> the event ids of that chunk (deduplication; kept after ack, because
+//!   sync is at-least-once and may hand an acknowledged event back; the last [`DEDUPE_WINDOW`]
+//!   ids are kept, far more than a replayed response or a gap fill can repeat)
+//! - `m` persona, name -> value (`next_seq`, `acked`, `token`, and `s:NAME` for the session's
+//!   values)
 //! - `u` persona, event id -> an event held until it decrypts ([`Held`])
-//! - `t` persona, room id, counter -> timeline line (the room's recent lines, for context;
-//!   trimmed to the last [`TIMELINE_CAP`] per room by each later sync response)
+//! - `r` persona, room id -> the room's recent timeline (its last [`TIMELINE_CAP`] lines, for
+//!   context)
 //!
 //! and a tree `receipts`: persona, request id -> send receipt.
 //!
 //! [`Inbox::ingest`] stores one sync response's new deliveries and its next sync token as ONE
 //! atomic batch and flushes before returning: a delivery is visible (to [`Inbox::pending`])
 //! only once it is on disk, and the token is never ahead of what it covers. Seqs are per
-//! Persona, monotonic, never reused, and survive restarts.
+//! Persona, dense, monotonic, never reused, and survive restarts; so what is pending is exactly
+//! the seqs after the ack watermark.
 //!
-//! Invariant: one task ingests for a Persona (its ear): `ingest` reads the event index and the
+//! Why chunks: sled pays per key, not per byte. Two keys per delivery (record and event index)
+//! cost ~3 ms per 100-delivery response and missed the latency target; one chunk and one id list
+//! per response cost a fraction of that (README, inbox benchmark).
+//!
+//! Invariant: one task ingests for a Persona (its ear): `ingest` reads the dedupe set and the
 //! seq counter, then writes one batch. Acks may run concurrently (they touch other keys).
-//! A single tree with `apply_batch` is several times faster than a sled transaction across
-//! trees (README, inbox benchmark).
+//! Stores written by the first layout (a key per delivery) are converted when opened.
 
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use serde::{de::DeserializeOwned, Serialize};
+use serde_bytes::ByteBuf;
 use wire::docs::{Delivery, SendReceipt};
 
 /// Inbox failures.
@@ -96,13 +105,34 @@ pub struct Inbox {
     db: sled::Db,
     tree: sled::Tree,
     receipts: sled::Tree,
+    /// Per Persona, the event ids of the last [`DEDUPE_WINDOW`] deliveries, loaded on first use.
+    seen: Arc<Mutex<HashMap<String, SeenSlot>>>,
+    dedupe_window: usize,
 }
 
-const DELIVERY: u8 = b'd';
-const EVENT: u8 = b'e';
+const CHUNK: u8 = b'c';
+const IDS: u8 = b'x';
 const META: u8 = b'm';
-const TIMELINE: u8 = b't';
+const ROOM: u8 = b'r';
 const HELD: u8 = b'u';
+/// Kinds of the first layout, converted by [`Inbox::open`].
+const OLD_DELIVERY: u8 = b'd';
+const OLD_EVENT: u8 = b'e';
+const OLD_TIMELINE: u8 = b't';
+
+/// Event ids remembered per Persona for deduplication. A sync replay repeats at most one
+/// response and a gap fill at most `gap_fill_max` (1000) events, so this is ten times either.
+pub const DEDUPE_WINDOW: usize = 10_000;
+
+/// A Persona's dedupe set behind its own lock (`None` until loaded).
+type SeenSlot = Arc<Mutex<Option<Seen>>>;
+
+/// The dedupe set of one Persona, and its id records oldest first (key seq, id count).
+#[derive(Debug, Default)]
+struct Seen {
+    ids: HashSet<Box<str>>,
+    records: VecDeque<(u64, usize)>,
+}
 
 /// Lines of recent timeline kept per room (enough for 20 lines of context plus a thread's).
 pub const TIMELINE_CAP: usize = 64;
@@ -141,13 +171,8 @@ pub struct Held {
     pub delivery: Delivery,
 }
 
-fn room_key(persona: &str, room: &str, counter: Option<u64>) -> Vec<u8> {
-    let mut rest = room.as_bytes().to_vec();
-    rest.push(0);
-    if let Some(c) = counter {
-        rest.extend_from_slice(&c.to_be_bytes());
-    }
-    kkey(TIMELINE, persona, &rest)
+fn room_key(persona: &str, room: &str) -> Vec<u8> {
+    kkey(ROOM, persona, room.as_bytes())
 }
 
 fn kkey(kind: u8, persona: &str, rest: &[u8]) -> Vec<u8> {
@@ -163,8 +188,20 @@ fn key(persona: &str, rest: &[u8]) -> Vec<u8> {
     kkey(META, persona, rest)
 }
 
-fn seq_key(persona: &str, seq: u64) -> Vec<u8> {
-    kkey(DELIVERY, persona, &seq.to_be_bytes())
+fn chunk_key(persona: &str, last_seq: u64) -> Vec<u8> {
+    kkey(CHUNK, persona, &last_seq.to_be_bytes())
+}
+
+fn ids_key(persona: &str, last_seq: u64) -> Vec<u8> {
+    kkey(IDS, persona, &last_seq.to_be_bytes())
+}
+
+/// Splits a key into its Persona and the rest (after the kind byte and the 0 separator).
+fn split_key(k: &[u8]) -> Option<(&str, &[u8])> {
+    let body = k.get(1..)?;
+    let sep = body.iter().position(|b| *b == 0)?;
+    let persona = std::str::from_utf8(&body[..sep]).ok()?;
+    Some((persona, &body[sep + 1..]))
 }
 
 fn u64_of(v: &[u8]) -> u64 {
@@ -212,11 +249,119 @@ impl Inbox {
             .flush_every_ms(None)
             .mode(sled::Mode::HighThroughput)
             .open()?;
-        Ok(Self {
+        let inbox = Self {
             tree: db.open_tree("inbox")?,
             receipts: db.open_tree("receipts")?,
             db,
-        })
+            seen: Arc::default(),
+            dedupe_window: DEDUPE_WINDOW,
+        };
+        inbox.convert_first_layout()?;
+        Ok(inbox)
+    }
+
+    /// A smaller dedupe window, for tests of its edge.
+    #[cfg(test)]
+    fn with_dedupe_window(mut self, window: usize) -> Self {
+        self.dedupe_window = window;
+        self
+    }
+
+    /// Converts keys of the first layout (`d` a delivery per key, `e` an event index entry per
+    /// key, `t` a timeline line per key) into chunks, id records and room records, in one
+    /// flushed batch, so an inbox written by an earlier build keeps everything it held.
+    fn convert_first_layout(&self) -> Result<(), InboxError> {
+        let mut ops = sled::Batch::default();
+        let mut converted = 0usize;
+        for item in self.tree.scan_prefix([OLD_DELIVERY]) {
+            let (k, v) = item?;
+            let Some((persona, rest)) = split_key(&k) else {
+                continue;
+            };
+            ops.insert(
+                chunk_key(persona, u64_of(rest)),
+                encode(&[ByteBuf::from(v.to_vec())]),
+            );
+            ops.remove(k);
+            converted += 1;
+        }
+        let mut ids: std::collections::BTreeMap<String, (u64, Vec<String>)> = Default::default();
+        for item in self.tree.scan_prefix([OLD_EVENT]) {
+            let (k, v) = item?;
+            if let Some((persona, event_id)) = split_key(&k) {
+                let entry = ids.entry(persona.to_owned()).or_default();
+                entry.0 = entry.0.max(u64_of(&v));
+                entry.1.push(String::from_utf8_lossy(event_id).into_owned());
+            }
+            ops.remove(k);
+            converted += 1;
+        }
+        for (persona, (last, list)) in ids {
+            ops.insert(ids_key(&persona, last), encode(&list));
+        }
+        let mut rooms: std::collections::BTreeMap<(String, String), Vec<TimelineLine>> =
+            Default::default();
+        for item in self.tree.scan_prefix([OLD_TIMELINE]) {
+            let (k, v) = item?;
+            if let Some((persona, _)) = split_key(&k) {
+                let line: TimelineLine = decode(&k, &v)?;
+                rooms
+                    .entry((persona.to_owned(), line.room_id.clone()))
+                    .or_default()
+                    .push(line);
+            }
+            ops.remove(k);
+            converted += 1;
+        }
+        for ((persona, room), mut lines) in rooms {
+            let excess = lines.len().saturating_sub(TIMELINE_CAP);
+            lines.drain(..excess);
+            ops.insert(room_key(&persona, &room), encode(&lines));
+        }
+        if converted > 0 {
+            self.tree.apply_batch(ops)?;
+            self.db.flush()?;
+            tracing::info!(keys = converted, "inbox converted from its first layout");
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on the Persona's dedupe set, loading it from the id records on first use.
+    /// Each Persona has its own lock, so one Persona's ingest does not wait for another's.
+    fn with_seen<T>(
+        &self,
+        persona: &str,
+        f: impl FnOnce(&mut Seen) -> Result<T, InboxError>,
+    ) -> Result<T, InboxError> {
+        let slot = {
+            let mut all = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            all.entry(persona.to_owned()).or_default().clone()
+        };
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            let mut seen = Seen::default();
+            for item in self.tree.scan_prefix(kkey(IDS, persona, b"")) {
+                let (k, v) = item?;
+                let list: Vec<String> = decode(&k, &v)?;
+                let last = split_key(&k).map_or(0, |(_, rest)| u64_of(rest));
+                seen.records.push_back((last, list.len()));
+                seen.ids
+                    .extend(list.into_iter().map(String::into_boxed_str));
+            }
+            *slot = Some(seen);
+        }
+        let Some(seen) = slot.as_mut() else {
+            return Err(InboxError::Corrupt {
+                key: persona.to_owned(),
+                reason: "dedupe set not loaded".into(),
+            });
+        };
+        let out = f(seen);
+        if out.is_err() {
+            // What is in memory may now be ahead of the store: load it again next time.
+            *slot = None;
+        }
+        out
     }
 
     /// Stores one sync response: each delivery whose event id is new gets the next seq; the
@@ -253,66 +398,90 @@ impl Inbox {
             hold,
             release,
         } = write;
-        let next_key = key(persona, b"next_seq");
-        let mut next = self.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
-        let mut batch_ops = sled::Batch::default();
-        let mut assigned = Vec::new();
-        let mut fresh = std::collections::HashSet::new();
-        for d in batch {
-            let ek = kkey(EVENT, persona, d.event_id.as_bytes());
-            if !fresh.insert(d.event_id.as_str()) || self.tree.get(&ek)?.is_some() {
-                continue;
+        self.with_seen(persona, |seen| {
+            let next_key = key(persona, b"next_seq");
+            let first = self.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
+            let mut next = first;
+            let mut ops = sled::Batch::default();
+            let mut assigned = Vec::new();
+            let mut chunk = Vec::new();
+            let mut ids: Vec<&str> = Vec::new();
+            for d in batch {
+                if seen.ids.contains(d.event_id.as_str()) || ids.contains(&d.event_id.as_str()) {
+                    continue;
+                }
+                let mut stored = d.clone();
+                stored.seq = next;
+                stored.persona = persona.to_owned();
+                chunk.push(ByteBuf::from(encode(&stored)));
+                ids.push(&d.event_id);
+                assigned.push(next);
+                next += 1;
             }
-            let seq = next;
-            next += 1;
-            let mut stored = d.clone();
-            stored.seq = seq;
-            stored.persona = persona.to_owned();
-            batch_ops.insert(seq_key(persona, seq), encode(&stored));
-            batch_ops.insert(ek, &seq.to_be_bytes());
-            assigned.push(seq);
-        }
-        if !lines.is_empty() {
-            let tl_key = key(persona, b"tl_next");
-            let mut counter = self.tree.get(&tl_key)?.map(|v| u64_of(&v)).unwrap_or(0);
-            let mut per_room: std::collections::BTreeMap<&str, usize> = Default::default();
-            for l in lines {
-                batch_ops.insert(room_key(persona, &l.room_id, Some(counter)), encode(l));
-                counter += 1;
-                *per_room.entry(l.room_id.as_str()).or_default() += 1;
-            }
-            batch_ops.insert(tl_key, &counter.to_be_bytes());
-            for (room, added) in per_room {
-                let old: Vec<_> = self
-                    .tree
-                    .scan_prefix(room_key(persona, room, None))
-                    .keys()
-                    .collect::<Result<_, _>>()?;
-                let total = old.len() + added;
-                for k in old.into_iter().take(total.saturating_sub(TIMELINE_CAP)) {
-                    batch_ops.remove(k);
+            for h in hold {
+                let hk = kkey(HELD, persona, h.delivery.event_id.as_bytes());
+                let delivered = seen.ids.contains(h.delivery.event_id.as_str())
+                    || ids.contains(&h.delivery.event_id.as_str());
+                // A replayed sync must not restart the wait of an event already held.
+                if !delivered && self.tree.get(&hk)?.is_none() {
+                    ops.insert(hk, encode(h));
                 }
             }
-        }
-        for h in hold {
-            let hk = kkey(HELD, persona, h.delivery.event_id.as_bytes());
-            let delivered = self
-                .tree
-                .get(kkey(EVENT, persona, h.delivery.event_id.as_bytes()))?
-                .is_some();
-            // A replayed sync must not restart the wait of an event already held.
-            if !delivered && self.tree.get(&hk)?.is_none() {
-                batch_ops.insert(hk, encode(h));
+            for event_id in release {
+                ops.remove(kkey(HELD, persona, event_id.as_bytes()));
             }
+            self.add_lines(persona, lines, &mut ops)?;
+            if let Some(&last) = assigned.last() {
+                ops.insert(chunk_key(persona, last), encode(&chunk));
+                ops.insert(ids_key(persona, last), encode(&ids));
+                seen.records.push_back((last, ids.len()));
+                seen.ids.extend(ids.iter().map(|id| Box::<str>::from(*id)));
+                // Forget the oldest id records beyond the window.
+                let mut total: usize = seen.records.iter().map(|(_, n)| n).sum();
+                while let Some(&(old, n)) = seen.records.front() {
+                    if total - n < self.dedupe_window {
+                        break;
+                    }
+                    let k = ids_key(persona, old);
+                    if let Some(v) = self.tree.get(&k)? {
+                        let list: Vec<String> = decode(&k, &v)?;
+                        for id in list {
+                            seen.ids.remove(id.as_str());
+                        }
+                    }
+                    ops.remove(k);
+                    seen.records.pop_front();
+                    total -= n;
+                }
+            }
+            ops.insert(next_key, &next.to_be_bytes());
+            ops.insert(key(persona, b"token"), next_token.as_bytes());
+            self.tree.apply_batch(ops)?;
+            self.db.flush()?;
+            Ok(assigned)
+        })
+    }
+
+    /// Appends timeline lines to their rooms' records (one record per room, its last
+    /// [`TIMELINE_CAP`] lines) in `ops`.
+    fn add_lines(
+        &self,
+        persona: &str,
+        lines: &[TimelineLine],
+        ops: &mut sled::Batch,
+    ) -> Result<(), InboxError> {
+        let mut per_room: std::collections::BTreeMap<&str, Vec<&TimelineLine>> = Default::default();
+        for l in lines {
+            per_room.entry(l.room_id.as_str()).or_default().push(l);
         }
-        for event_id in release {
-            batch_ops.remove(kkey(HELD, persona, event_id.as_bytes()));
+        for (room, added) in per_room {
+            let mut kept = self.timeline(persona, room)?;
+            kept.extend(added.into_iter().cloned());
+            let excess = kept.len().saturating_sub(TIMELINE_CAP);
+            kept.drain(..excess);
+            ops.insert(room_key(persona, room), encode(&kept));
         }
-        batch_ops.insert(next_key, &next.to_be_bytes());
-        batch_ops.insert(key(persona, b"token"), next_token.as_bytes());
-        self.tree.apply_batch(batch_ops)?;
-        self.db.flush()?;
-        Ok(assigned)
+        Ok(())
     }
 
     /// The events held back because they could not be decrypted yet, oldest first by key.
@@ -328,29 +497,25 @@ impl Inbox {
 
     /// A room's stored recent timeline, oldest first.
     pub fn timeline(&self, persona: &str, room_id: &str) -> Result<Vec<TimelineLine>, InboxError> {
-        self.tree
-            .scan_prefix(room_key(persona, room_id, None))
-            .map(|kv| {
-                let (k, v) = kv?;
-                decode(&k, &v)
-            })
-            .collect()
+        let k = room_key(persona, room_id);
+        Ok(match self.tree.get(&k)? {
+            Some(v) => decode(&k, &v)?,
+            None => Vec::new(),
+        })
     }
 
     /// The rooms with a stored timeline.
     pub fn timeline_rooms(&self, persona: &str) -> Result<Vec<String>, InboxError> {
-        let prefix = kkey(TIMELINE, persona, b"");
-        let mut rooms: Vec<String> = Vec::new();
-        for k in self.tree.scan_prefix(&prefix).keys() {
-            let k = k?;
-            let rest = &k[prefix.len()..];
-            let room = rest.split(|b| *b == 0).next().unwrap_or_default();
-            let room = String::from_utf8_lossy(room).into_owned();
-            if rooms.last() != Some(&room) {
-                rooms.push(room);
-            }
-        }
-        Ok(rooms)
+        self.tree
+            .scan_prefix(kkey(ROOM, persona, b""))
+            .keys()
+            .map(|k| {
+                let k = k?;
+                Ok(split_key(&k)
+                    .map(|(_, room)| String::from_utf8_lossy(room).into_owned())
+                    .unwrap_or_default())
+            })
+            .collect()
     }
 
     /// The stored sync position (`None` before the first sync).
@@ -361,24 +526,24 @@ impl Inbox {
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 
-    /// Highest, acknowledged and pending counts.
+    /// Highest, acknowledged and pending counts. Seqs are dense and every seq after the ack
+    /// watermark is stored, so pending is their difference.
     pub fn counts(&self, persona: &str) -> Result<Counts, InboxError> {
         let highest = self
             .tree
             .get(key(persona, b"next_seq"))?
             .map(|v| u64_of(&v))
             .unwrap_or(1)
-            - 1;
+            .saturating_sub(1);
         let acked_through = self
             .tree
             .get(key(persona, b"acked"))?
             .map(|v| u64_of(&v))
             .unwrap_or(0);
-        let pending = self.tree.scan_prefix(kkey(DELIVERY, persona, b"")).count() as u64;
         Ok(Counts {
             highest,
             acked_through,
-            pending,
+            pending: highest.saturating_sub(acked_through),
         })
     }
 
@@ -393,61 +558,60 @@ impl Inbox {
         reply_bytes: Option<usize>,
     ) -> Result<Page, InboxError> {
         let counts = self.counts(persona)?;
+        let from = after.max(counts.acked_through).saturating_add(1);
         let mut deliveries = Vec::new();
         let mut bytes = 0usize;
-        let mut more = false;
-        for item in self
+        let mut full = false;
+        // The chunk holding `from` is the first whose last seq is at or after it.
+        'chunks: for item in self
             .tree
-            .range(seq_key(persona, after.saturating_add(1))..seq_key(persona, u64::MAX))
+            .range(chunk_key(persona, from)..=chunk_key(persona, u64::MAX))
         {
             let (k, v) = item?;
-            if deliveries.len() >= limit.max(1) {
-                more = true;
-                break;
-            }
-            let mut d: Delivery = decode(&k, &v)?;
-            if let Some(cap) = reply_bytes {
-                let size = v.len();
-                if bytes + size > cap {
-                    if deliveries.is_empty() {
-                        // Alone too big: cut the text (at a char boundary) and say so.
-                        let keep = cap.saturating_sub(size - d.text.len()).min(d.text.len());
-                        let cut = (0..=keep)
-                            .rev()
-                            .find(|&i| d.text.is_char_boundary(i))
-                            .unwrap_or(0);
-                        d.text.truncate(cut);
-                        d.truncated = true;
-                        deliveries.push(d);
-                    }
-                    more = true;
-                    break;
+            let chunk: Vec<ByteBuf> = decode(&k, &v)?;
+            for raw in chunk {
+                if deliveries.len() >= limit.max(1) {
+                    full = true;
+                    break 'chunks;
                 }
-                bytes += size;
+                let mut d: Delivery = decode(&k, &raw)?;
+                if d.seq < from {
+                    continue;
+                }
+                if let Some(cap) = reply_bytes {
+                    let size = raw.len();
+                    if bytes + size > cap {
+                        if deliveries.is_empty() {
+                            // Alone too big: cut the text (at a char boundary) and say so.
+                            let keep = cap.saturating_sub(size - d.text.len()).min(d.text.len());
+                            let cut = (0..=keep)
+                                .rev()
+                                .find(|&i| d.text.is_char_boundary(i))
+                                .unwrap_or(0);
+                            d.text.truncate(cut);
+                            d.truncated = true;
+                            deliveries.push(d);
+                        }
+                        full = true;
+                        break 'chunks;
+                    }
+                    bytes += size;
+                }
+                deliveries.push(d);
             }
-            deliveries.push(d);
-        }
-        if !more && deliveries.len() >= limit.max(1) {
-            more = self
-                .tree
-                .range(
-                    seq_key(persona, deliveries.last().map_or(after, |d| d.seq) + 1)
-                        ..seq_key(persona, u64::MAX),
-                )
-                .next()
-                .is_some();
         }
         let through_seq = deliveries.last().map_or(after, |d| d.seq);
         Ok(Page {
+            more: full || through_seq.max(from - 1) < counts.highest,
             deliveries,
             through_seq,
-            more,
             pending_count: counts.pending,
         })
     }
 
     /// Acknowledges everything through `through`: idempotent; beyond the highest assigned seq
-    /// it is refused and nothing changes. Flushed before it returns.
+    /// it is refused and nothing changes. Flushed before it returns. A chunk is removed once
+    /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
         let c = self.counts(persona)?;
         if through > c.highest {
@@ -460,14 +624,12 @@ impl Inbox {
             return Ok(c);
         }
         let mut ops = sled::Batch::default();
-        let mut removed = 0;
         for k in self
             .tree
-            .range(seq_key(persona, 0)..=seq_key(persona, through))
+            .range(chunk_key(persona, 0)..=chunk_key(persona, through))
             .keys()
         {
             ops.remove(k?);
-            removed += 1;
         }
         ops.insert(key(persona, b"acked"), &through.to_be_bytes());
         self.tree.apply_batch(ops)?;
@@ -475,7 +637,7 @@ impl Inbox {
         Ok(Counts {
             highest: c.highest,
             acked_through: through,
-            pending: c.pending - removed,
+            pending: c.highest - through,
         })
     }
 

@@ -282,6 +282,12 @@ proptest! {
             let got: Vec<(u64, String)> = page.deliveries.iter().map(|d| (d.seq, d.event_id.clone())).collect();
             let want: Vec<(u64, String)> = model.iter().map(|(s, e)| (*s, e.clone())).collect();
             prop_assert_eq!(got, want);
+            // A page from any point, of any size, across chunk boundaries.
+            let (after, limit) = (i as u64 % (next + 1), 1 + i % 4);
+            let page = inbox.pending("p", after, limit, None).unwrap();
+            let want: Vec<u64> = model.keys().copied().filter(|s| *s > after).collect();
+            prop_assert_eq!(seqs(&page), want.iter().copied().take(limit).collect::<Vec<_>>());
+            prop_assert_eq!(page.more, want.len() > limit);
             prop_assert_eq!(inbox.counts("p").unwrap(), Counts { highest: next - 1, acked_through: acked, pending: model.len() as u64 });
         }
         let _ = std::fs::remove_dir_all(&path);
@@ -426,4 +432,122 @@ fn held_events_keep_their_first_wait_and_leave_when_released_or_delivered() {
         .unwrap();
     assert_eq!(inbox.held("p").unwrap().len(), 1);
     assert_eq!(inbox.counts("p").unwrap().pending, 1);
+}
+
+#[test]
+fn a_partly_acknowledged_response_keeps_its_rest_across_reopen() {
+    let path = dir("partial");
+    {
+        let inbox = Inbox::open(&path).unwrap();
+        let batch: Vec<_> = (0..5).map(|i| d(&format!("${i}"), "x")).collect();
+        inbox.ingest("p", "t1", &batch).unwrap();
+        inbox.ingest("p", "t2", &[d("$5", "y")]).unwrap();
+        inbox.ack("p", 3).unwrap();
+        assert_eq!(
+            seqs(&inbox.pending("p", 0, 10, None).unwrap()),
+            vec![4, 5, 6]
+        );
+        // Asking from before the watermark does not bring acknowledged ones back.
+        assert_eq!(seqs(&inbox.pending("p", 1, 2, None).unwrap()), vec![4, 5]);
+    }
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(
+        seqs(&inbox.pending("p", 0, 10, None).unwrap()),
+        vec![4, 5, 6]
+    );
+    inbox.ack("p", 5).unwrap();
+    assert_eq!(seqs(&inbox.pending("p", 0, 10, None).unwrap()), vec![6]);
+    // The acknowledged events are still known: a replay makes nothing new.
+    assert!(inbox.ingest("p", "t3", &[d("$0", "x")]).unwrap().is_empty());
+    inbox.ack("p", 6).unwrap();
+    assert_eq!(
+        inbox.tree.scan_prefix([CHUNK]).count(),
+        0,
+        "no chunk is left"
+    );
+}
+
+#[test]
+fn dedupe_remembers_a_window_of_ids_across_reopen() {
+    let path = dir("window");
+    {
+        let inbox = Inbox::open(&path).unwrap().with_dedupe_window(4);
+        for i in 0..6 {
+            inbox.ingest("p", "t", &[d(&format!("${i}"), "x")]).unwrap();
+        }
+        // The last four ids are remembered; the oldest are forgotten, records and all.
+        assert!(inbox
+            .ingest("p", "t", &[d("$5", "x"), d("$2", "x")])
+            .unwrap()
+            .is_empty());
+        assert_eq!(inbox.tree.scan_prefix(kkey(IDS, "p", b"")).count(), 4);
+        assert_eq!(inbox.ingest("p", "t", &[d("$0", "x")]).unwrap(), vec![7]);
+    }
+    // After a reopen the set is rebuilt from the records (the default window is larger).
+    let inbox = Inbox::open(&path).unwrap();
+    assert!(inbox
+        .ingest("p", "t", &[d("$3", "x"), d("$0", "x")])
+        .unwrap()
+        .is_empty());
+    assert_eq!(inbox.ingest("p", "t", &[d("$1", "x")]).unwrap(), vec![8]);
+}
+
+#[test]
+fn an_inbox_of_the_first_layout_is_converted_with_nothing_lost() {
+    let path = dir("convert");
+    {
+        // Written the way the first layout did: a key per delivery, per event, per line.
+        let db = sled::open(&path).unwrap();
+        let tree = db.open_tree("inbox").unwrap();
+        for seq in [2u64, 3] {
+            let mut stored = d(&format!("${seq}"), "old");
+            stored.seq = seq;
+            stored.persona = "p".into();
+            tree.insert(kkey(OLD_DELIVERY, "p", &seq.to_be_bytes()), encode(&stored))
+                .unwrap();
+        }
+        for seq in 1u64..=3 {
+            tree.insert(
+                kkey(OLD_EVENT, "p", format!("${seq}").as_bytes()),
+                &seq.to_be_bytes(),
+            )
+            .unwrap();
+        }
+        for i in 0u64..2 {
+            let mut rest = b"!a".to_vec();
+            rest.push(0);
+            rest.extend_from_slice(&i.to_be_bytes());
+            tree.insert(
+                kkey(OLD_TIMELINE, "p", &rest),
+                encode(&tl("!a", &format!("$t{i}"))),
+            )
+            .unwrap();
+        }
+        tree.insert(key("p", b"next_seq"), &4u64.to_be_bytes())
+            .unwrap();
+        tree.insert(key("p", b"acked"), &1u64.to_be_bytes())
+            .unwrap();
+        db.flush().unwrap();
+    }
+    let inbox = Inbox::open(&path).unwrap();
+    let page = inbox.pending("p", 0, 10, None).unwrap();
+    assert_eq!(seqs(&page), vec![2, 3]);
+    assert_eq!(page.deliveries[0].text, "old");
+    assert!(inbox
+        .ingest("p", "t", &[d("$1", "x"), d("$3", "x")])
+        .unwrap()
+        .is_empty());
+    assert_eq!(inbox.ingest("p", "t", &[d("$new", "x")]).unwrap(), vec![4]);
+    let lines: Vec<_> = inbox
+        .timeline("p", "!a")
+        .unwrap()
+        .into_iter()
+        .map(|l| l.line.event_id)
+        .collect();
+    assert_eq!(lines, vec!["$t0", "$t1"]);
+    for kind in [OLD_DELIVERY, OLD_EVENT, OLD_TIMELINE] {
+        assert_eq!(inbox.tree.scan_prefix([kind]).count(), 0);
+    }
+    inbox.ack("p", 4).unwrap();
+    assert_eq!(inbox.counts("p").unwrap().pending, 0);
 }
