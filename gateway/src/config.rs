@@ -190,13 +190,78 @@ pub struct Persona {
 pub struct CultNet {
     /// Loopback address to bind.
     pub bind: std::net::SocketAddr,
+    /// How far a Connect payload's `issuedAt` may be from now, in seconds.
+    pub max_skew_secs: u64,
+    /// The clients allowed to connect, each with its pinned key.
+    #[serde(rename = "client")]
+    pub clients: Vec<Client>,
 }
 
 impl Default for CultNet {
     fn default() -> Self {
         Self {
             bind: std::net::SocketAddr::from(([127, 0, 0, 1], 47_004)),
+            max_skew_secs: 120,
+            clients: Vec::new(),
         }
+    }
+}
+
+/// A request kind a CultNet client may be allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verb {
+    /// Read pending deliveries.
+    Pending,
+    /// Acknowledge deliveries.
+    Ack,
+    /// Say something in Matrix.
+    Send,
+    /// Ask for a session turn.
+    Turn,
+    /// Read the gateway's status.
+    Status,
+}
+
+impl Verb {
+    /// Every verb (a client's default).
+    pub const ALL: [Verb; 5] = [
+        Verb::Pending,
+        Verb::Ack,
+        Verb::Send,
+        Verb::Turn,
+        Verb::Status,
+    ];
+}
+
+/// A CultNet client: who it is, its pinned ed25519 key, and what it may do for whom.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Client {
+    /// The `agentId` it signs its Connect payload as.
+    pub agent_id: String,
+    /// Its ed25519 public key, 64 hex digits.
+    pub public_key: String,
+    /// The Personas it may act for (`"*"`: all).
+    pub personas: Vec<String>,
+    /// What it may ask (all when absent).
+    #[serde(default = "all_verbs")]
+    pub verbs: Vec<Verb>,
+}
+
+fn all_verbs() -> Vec<Verb> {
+    Verb::ALL.to_vec()
+}
+
+impl Client {
+    /// Its key as bytes (checked by [`Config::parse`], so this succeeds on a parsed config).
+    pub fn key_bytes(&self) -> Option<[u8; 32]> {
+        hex32(self.public_key.trim())
+    }
+
+    /// May it act for `persona`?
+    pub fn allows_persona(&self, persona: &str) -> bool {
+        self.personas.iter().any(|p| p == "*" || p == persona)
     }
 }
 
@@ -238,6 +303,43 @@ impl Config {
         Self::parse(&text)
     }
 
+    fn check_clients(&self) -> Result<(), ConfigError> {
+        let mut agents = HashSet::new();
+        for (i, c) in self.cultnet.clients.iter().enumerate() {
+            let at = |field: &str| format!("cultnet.client[{i}].{field}");
+            if c.agent_id.is_empty() || c.agent_id.len() > wire::docs::MAX_CONNECT_FIELD {
+                return Err(err(None, &at("agent_id"), "must be 1-256 characters"));
+            }
+            if !agents.insert(c.agent_id.as_str()) {
+                return Err(err(
+                    None,
+                    &at("agent_id"),
+                    format!("{:?} is listed twice", c.agent_id),
+                ));
+            }
+            let key_ok = c
+                .key_bytes()
+                .is_some_and(|k| ed25519_dalek::VerifyingKey::from_bytes(&k).is_ok());
+            if !key_ok {
+                return Err(err(
+                    None,
+                    &at("public_key"),
+                    "must be an ed25519 public key as 64 hex digits",
+                ));
+            }
+            for (j, p) in c.personas.iter().enumerate() {
+                if p != "*" && !self.personas.iter().any(|q| &q.id == p) {
+                    return Err(err(
+                        None,
+                        &format!("cultnet.client[{i}].personas[{j}]"),
+                        format!("{p:?} is not a configured Persona"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check(&self) -> Result<(), ConfigError> {
         if !self.cultnet.bind.ip().is_loopback() {
             return Err(err(
@@ -249,6 +351,7 @@ impl Config {
                 ),
             ));
         }
+        self.check_clients()?;
         let mut ids = HashSet::new();
         for (i, p) in self.personas.iter().enumerate() {
             let who = Some(p.id.as_str()).filter(|s| !s.is_empty());
@@ -433,6 +536,30 @@ impl SessionConfig {
     }
 }
 
+/// Reads a secret from a file only its owner may read (trimmed; empty is an error).
+pub fn read_private(path: &Path) -> Result<Secret, String> {
+    check_private(path)?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let value = text.trim();
+    if value.is_empty() {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(Secret(value.to_owned()))
+}
+
+/// 64 hex digits as 32 bytes.
+pub fn hex32(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in hex.as_bytes().chunks(2).enumerate() {
+        out[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(out)
+}
+
 #[cfg(unix)]
 fn check_private(path: &Path) -> Result<(), String> {
     use std::os::unix::fs::PermissionsExt;
@@ -480,6 +607,46 @@ operators = ["@op:localhost"]
         assert_eq!(c.personas[0].limits, Limits::default());
         assert_eq!(c.personas[0].limits.max_pending, 1000);
         assert!(c.cultnet.bind.ip().is_loopback());
+    }
+
+    const KEY: &str = "3b6a27bcceb6a42d62a3a8d02a6f0d73653215771de243a63ac048a18b59da29";
+
+    fn client(body: &str) -> Result<Config, ConfigError> {
+        Config::parse(&format!("{GOOD}\n[[cultnet.client]]\n{body}"))
+    }
+
+    #[test]
+    fn clients_need_a_real_key_known_personas_and_a_unique_id() {
+        let c = client(&format!(
+            "agent_id = \"organ\"\npublic_key = \"{KEY}\"\npersonas = [\"mira\"]"
+        ))
+        .unwrap();
+        let organ = &c.cultnet.clients[0];
+        assert_eq!(organ.verbs, Verb::ALL.to_vec(), "all verbs by default");
+        assert!(organ.allows_persona("mira") && !organ.allows_persona("otto"));
+        let c = client(&format!(
+            "agent_id = \"hb\"\npublic_key = \"{KEY}\"\npersonas = [\"*\"]\nverbs = [\"status\", \"turn\"]"
+        ))
+        .unwrap();
+        assert_eq!(c.cultnet.clients[0].verbs, vec![Verb::Status, Verb::Turn]);
+        assert!(c.cultnet.clients[0].allows_persona("anyone"));
+        let e = client(&format!(
+            "agent_id = \"o\"\npublic_key = \"{}\"\npersonas = []",
+            &KEY[2..]
+        ))
+        .unwrap_err();
+        assert_eq!(e.key, "cultnet.client[0].public_key");
+        let e = client(&format!(
+            "agent_id = \"o\"\npublic_key = \"{KEY}\"\npersonas = [\"otto\"]"
+        ))
+        .unwrap_err();
+        assert_eq!(e.key, "cultnet.client[0].personas[0]");
+        assert!(e.problem.contains("not a configured Persona"));
+        let one = format!("agent_id = \"o\"\npublic_key = \"{KEY}\"\npersonas = []");
+        let e = client(&format!("{one}\n[[cultnet.client]]\n{one}")).unwrap_err();
+        assert_eq!(e.key, "cultnet.client[1].agent_id");
+        let e = client(&format!("{one}\nverbs = [\"delete\"]")).unwrap_err();
+        assert!(e.problem.contains("delete"), "{e}");
     }
 
     #[test]

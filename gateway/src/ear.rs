@@ -540,7 +540,8 @@ pub async fn join_configured(
 }
 
 /// Wall-clock milliseconds since the epoch (0 if the clock is before it).
-fn unix_ms() -> i64 {
+/// Now, in ms since the epoch.
+pub fn unix_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)

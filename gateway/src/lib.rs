@@ -5,12 +5,16 @@
 //!
 //! - [`config`]: the TOML configuration; errors name the Persona and the key; tokens are
 //!   [`config::Secret`]s read from private files or systemd credentials.
-//! - [`inbox`]: the durable sled inbox (one transaction per sync response, seqs, acks, receipts).
-//!
-//! The Matrix ear and mouth and the per-Persona tasks arrive with issues 3 and 4.
+//! - [`inbox`]: the durable sled inbox (one batch per sync response, seqs, acks, receipts).
+//! - [`matrix`]: a Persona's matrix-sdk client, its store checks and the retry rules.
+//! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends.
+//! - [`turns`]: her live session's turn loop.
+//! - [`service`]: what CultNet clients ask of the gateway, and its answers; [`client`]: the
+//!   other side, for tools and tests.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod client;
 pub mod config;
 pub mod ear;
 pub mod endpoint;
@@ -18,4 +22,5 @@ pub mod event;
 pub mod inbox;
 pub mod matrix;
 pub mod mouth;
+pub mod service;
 pub mod turns;

@@ -298,6 +298,34 @@ impl GatewayProcess {
         }
     }
 
+    /// The CultNet address it logged when it started (`cultnet=ADDR` in "gateway running").
+    pub fn cultnet_addr(&self) -> std::net::SocketAddr {
+        let log = self.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("gateway running"))
+            .expect("the gateway logged that it is running");
+        // Strip ANSI styling, then read the value after `cultnet=`.
+        let mut plain = String::new();
+        let mut chars = line.chars();
+        while let Some(c) = chars.next() {
+            if c == '\u{1b}' {
+                chars.by_ref().find(|c| c.is_ascii_alphabetic());
+            } else {
+                plain.push(c);
+            }
+        }
+        let at = plain
+            .find("cultnet=")
+            .expect("cultnet= in the running line")
+            + 8;
+        plain[at..]
+            .split_whitespace()
+            .next()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no CultNet address in {plain:?}"))
+    }
+
     /// Everything it logged so far.
     pub fn log(&self) -> String {
         self.log.lock().unwrap_or_else(|p| p.into_inner()).clone()

@@ -377,3 +377,172 @@ async fn a_full_context_starts_a_fresh_session_that_is_given_the_recent_lines() 
     assert!(status["generation"].as_u64().unwrap_or(0) >= 1, "{status}");
     assert_eq!(gw.stop().code(), Some(0));
 }
+
+/// A CultNet client (signed Connect with a pinned key) reads vera's mail, acknowledges it and
+/// speaks through her, exactly once, against the running binary; a wrong key is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
+    use ed25519_dalek::SigningKey;
+    use gateway::client::{Client, ClientError};
+    use wire::docs::{
+        ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
+        SendRequest, Status, StatusRequest, TurnReceipt, TurnRequest,
+    };
+
+    let scene = Scene::new("run-cultnet", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "cn-lobby").await;
+    let organ = SigningKey::from_bytes(&[7; 32]);
+    let public: String = organ
+        .verifying_key()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    // An operator's tool key, made the way the README says: `cultnet-gateway keygen`.
+    let tool_key = dir.join("tool.key");
+    let keygen = std::process::Command::new(tests::matrix::gateway_bin())
+        .args(["keygen", "--agent", "ops", "--out"])
+        .arg(&tool_key)
+        .output()
+        .unwrap();
+    assert!(keygen.status.success());
+    let tool_block = String::from_utf8(keygen.stdout).unwrap();
+    let clients = format!(
+        "\n[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{public}\"\npersonas = [\"vera\"]\n{tool_block}"
+    );
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#cn-lobby:localhost"],
+        &[],
+        &clients,
+    );
+    let gw = GatewayProcess::start(&config);
+    let addr = gw.cultnet_addr();
+    let wait = Duration::from_secs(20);
+
+    // A key that is not the pinned one is refused, with the reason.
+    let wrong = SigningKey::from_bytes(&[8; 32]);
+    match Client::connect(addr, "organ", &wrong, wait).await {
+        Err(ClientError::Refused(why)) => assert!(why.contains("signature"), "{why}"),
+        other => panic!("a wrong key was not refused: {other:?}"),
+    }
+
+    let mut c = Client::connect(addr, "organ", &organ, wait).await.unwrap();
+    lobby
+        .send(RoomMessageEventContent::text_plain("hi vera, from ann"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let page = loop {
+        let page: PendingPage = c
+            .request(
+                ids::PENDING_REQUEST,
+                &format!("p{}", deadline.elapsed().as_millis()),
+                &PendingRequest {
+                    persona: "vera".into(),
+                    after_seq: 0,
+                    limit: None,
+                    reply_bytes: None,
+                },
+            )
+            .await
+            .unwrap();
+        if !page.deliveries.is_empty() {
+            break page;
+        }
+        assert!(Instant::now() < deadline, "no mail; log:\n{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(page.deliveries[0].text, "hi vera, from ann");
+    let seq = page.deliveries[0].seq;
+    let ack: AckReceipt = c
+        .request(
+            ids::ACK_REQUEST,
+            "a1",
+            &AckRequest {
+                persona: "vera".into(),
+                through_seq: seq,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((ack.status, ack.pending_count), (Status::Ok, 0));
+
+    // The same send request twice (the second as a client retry): one Matrix event.
+    let send = SendRequest {
+        request_id: "organ-say-1".into(),
+        persona: "vera".into(),
+        room: "#cn-lobby:localhost".into(),
+        text: "hello from vera's organ".into(),
+        ..SendRequest::default()
+    };
+    let first: SendReceipt = c.request(ids::SEND_REQUEST, "s1", &send).await.unwrap();
+    assert_eq!(first.status, Status::Ok, "{first:?}");
+    let again: SendReceipt = c.request(ids::SEND_REQUEST, "s2", &send).await.unwrap();
+    assert_eq!(again.event_id, first.event_id);
+    let got = wait_for_reply(ann, &lobby, "hello from vera's organ", wait).await;
+    assert_eq!(got, ["hello from vera's organ"]);
+
+    // Her session is off: a turn request is refused with the reason; status shows her.
+    let turn: TurnReceipt = c
+        .request(
+            ids::TURN_REQUEST,
+            "t1",
+            &TurnRequest {
+                persona: "vera".into(),
+                reason: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(turn.status, Status::Rejected);
+    let status: GatewayStatus = c
+        .request(ids::STATUS_REQUEST, "st", &StatusRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(status.personas.len(), 1);
+    assert_eq!(
+        (
+            status.personas[0].acked_through,
+            status.personas[0].pending_count
+        ),
+        (seq, 0)
+    );
+    // Garbage on the request channel is answered with an error, and the session survives.
+    c.send_raw(b"\xc1\xc1".to_vec()).await.unwrap();
+    assert!(matches!(
+        c.next_message().await.unwrap(),
+        wire::msg::Message::Error(_)
+    ));
+    let status: GatewayStatus = c
+        .request(ids::STATUS_REQUEST, "st2", &StatusRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(status.peers, 1);
+    c.close().await;
+    let out = std::process::Command::new(tests::matrix::gateway_bin())
+        .args([
+            "client",
+            "--agent",
+            "ops",
+            "--gateway",
+            &addr.to_string(),
+            "--key",
+        ])
+        .arg(&tool_key)
+        .args(["pending", "--persona", "vera"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(page["throughSeq"], 0, "{page}");
+    assert_eq!(page["pendingCount"], 0);
+    assert!(gw.stop().success());
+}

@@ -1,5 +1,6 @@
 //! Command-line arguments and dispatch.
 
+mod client;
 mod decode;
 mod run;
 
@@ -29,6 +30,34 @@ enum Command {
         /// The configuration file.
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
+    },
+    /// Make a new CultNet client key: writes its secret (mode 0600) and prints the
+    /// `[[cultnet.client]]` block with its public key.
+    Keygen {
+        /// Where to write the secret key (refused if it exists).
+        #[arg(long)]
+        out: PathBuf,
+        /// The agent id to print in the config block.
+        #[arg(long, default_value = "operator-tool")]
+        agent: String,
+    },
+    /// Talk to a running gateway as a CultNet client: status, pending, ack, send, turn.
+    /// Prints the receipt as JSON.
+    Client {
+        /// The gateway's CultNet address.
+        #[arg(long, default_value = "127.0.0.1:47004")]
+        gateway: std::net::SocketAddr,
+        /// This client's agent id (as in the gateway's `[[cultnet.client]]`).
+        #[arg(long)]
+        agent: String,
+        /// Its secret key file (from `keygen`).
+        #[arg(long)]
+        key: PathBuf,
+        /// Seconds to wait for each answer.
+        #[arg(long, default_value_t = 30)]
+        timeout: u64,
+        #[command(subcommand)]
+        ask: client::Ask,
     },
     /// Wire-level debugging tools.
     Wire {
@@ -86,6 +115,20 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
     match args.command {
         Command::Run { config } => run::run(&config),
         Command::Status { config } => status(&config),
+        Command::Keygen { out, agent } => client::keygen(&out, &agent),
+        Command::Client {
+            gateway,
+            agent,
+            key,
+            timeout,
+            ask,
+        } => client::run(
+            gateway,
+            &agent,
+            &key,
+            std::time::Duration::from_secs(timeout),
+            ask,
+        ),
         Command::Wire {
             command: WireCommand::Decode { file },
         } => decode::run(&file),

@@ -1,16 +1,21 @@
 //! `cultnet-gateway run`: the daemon. Every Persona gets her client, ear, mouth and (when her
 //! session is live) her turn loop; a Persona that cannot start is reported and the others
-//! keep running. SIGINT or SIGTERM stops the tasks, and the inbox is already durable.
+//! keep running. The CultNet service answers local clients on the loopback endpoint. SIGINT or
+//! SIGTERM stops the tasks, and the inbox is already durable.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use gateway::client;
 use gateway::config::{Config, Persona, SessionMode};
 use gateway::ear::{self, Ear, EarStats, Signals};
+use gateway::endpoint::{self, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::mouth::Mouth;
+use gateway::service::{self, Port, Service};
 use gateway::turns::TurnLoop;
 use session::cost::Ttl;
 use session::driver::CliConfig;
@@ -37,24 +42,53 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
     let mut started = 0;
+    let mut ports = BTreeMap::new();
     for p in &cfg.personas {
         let span = tracing::info_span!("persona", id = %p.id);
         let _enter = span.enter();
-        match start_persona(&cfg, p, &inbox, &stop_rx, &mut tasks).await {
-            Ok(()) => {
+        let port = match start_persona(&cfg, p, &inbox, &stop_rx, &mut tasks).await {
+            Ok(port) => {
                 started += 1;
                 tracing::info!(session = ?p.session.mode, "persona started");
+                port
             }
-            Err(e) => tracing::error!(
-                "persona {} not started: {e:#}; the others keep running",
-                p.id
-            ),
-        }
+            Err(e) => {
+                tracing::error!(
+                    "persona {} not started: {e:#}; the others keep running",
+                    p.id
+                );
+                Port {
+                    user_id: p.user_id.clone(),
+                    max_pending: p.limits.max_pending,
+                    mouth: None,
+                    turn_requests: None,
+                    signals: Arc::default(),
+                    ear: None,
+                    failed: Some(format!("{e:#}")),
+                }
+            }
+        };
+        ports.insert(p.id.clone(), port);
     }
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
-    tracing::info!(personas = started, "gateway running");
+    let (endpoint, events, _) =
+        endpoint::spawn(EndpointConfig::new(cfg.cultnet.bind, client::rand_seed()))
+            .await
+            .context("starting the CultNet endpoint")?;
+    let cultnet = endpoint.local_addr();
+    let runtime_id = format!("cultnet-gateway-{}", uuid::Uuid::new_v4());
+    let service = Service::new(
+        &runtime_id,
+        wire::session::GATEWAY_CONNECTION_ID,
+        cfg.cultnet.max_skew_secs,
+        inbox.clone(),
+        &cfg.cultnet.clients,
+        ports,
+    );
+    tasks.spawn(service::serve(service, endpoint, events, stop_rx.clone()));
+    tracing::info!(personas = started, %cultnet, clients = cfg.cultnet.clients.len(), "gateway running");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {
@@ -76,7 +110,7 @@ async fn start_persona(
     inbox: &Inbox,
     stop: &watch::Receiver<bool>,
     tasks: &mut JoinSet<()>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Port> {
     let token = p.load_token()?;
     let stored = inbox.sync_token(&p.id)?;
     let client = gateway::matrix::connect(p, &cfg.state_dir, &token, stored.as_deref()).await?;
@@ -85,12 +119,13 @@ async fn start_persona(
         tracing::error!(%room, "room not joined: {why}");
     }
     let signals = Arc::new(Signals::default());
+    let ear_stats = Arc::new(EarStats::default());
     let mut ear = Ear::new(
         p.clone(),
         client.clone(),
         inbox.clone(),
         signals.clone(),
-        Arc::new(EarStats::default()),
+        ear_stats.clone(),
     )
     .await;
     if stored.is_none() {
@@ -101,6 +136,15 @@ async fn start_persona(
     }
     let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms);
     tasks.spawn(ear.run(stop.clone()));
+    let mut port = Port {
+        user_id: p.user_id.clone(),
+        max_pending: p.limits.max_pending,
+        mouth: Some(mouth.clone()),
+        turn_requests: None,
+        signals: signals.clone(),
+        ear: Some(ear_stats),
+        failed: None,
+    };
     if p.session.mode == SessionMode::Live {
         let s = &p.session;
         let base = CliConfig {
@@ -133,7 +177,8 @@ async fn start_persona(
             base,
             &cfg.state_dir,
         )?;
+        port.turn_requests = Some(turns.turn_requests.clone());
         tasks.spawn(turns.run(stop.clone()));
     }
-    Ok(())
+    Ok(port)
 }

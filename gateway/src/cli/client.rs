@@ -1,0 +1,215 @@
+//! `cultnet-gateway keygen` and `cultnet-gateway client`: an operator's CultNet client.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Subcommand;
+use ed25519_dalek::SigningKey;
+use gateway::client::{load_key, Client};
+use serde::Serialize;
+use wire::docs::{
+    ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
+    SendRequest, StatusRequest, TurnReceipt, TurnRequest,
+};
+
+use super::Failure;
+
+/// What to ask.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Ask {
+    /// The gateway's status (the Personas this client may see).
+    Status {
+        /// Only this Persona.
+        #[arg(long)]
+        persona: Option<String>,
+    },
+    /// A page of a Persona's pending deliveries (not consumed).
+    Pending {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Deliveries after this seq.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// At most this many.
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Acknowledge a Persona's deliveries through a seq.
+    Ack {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Through this seq.
+        #[arg(long)]
+        through: u64,
+    },
+    /// Say something in one of her rooms (exactly once per request id).
+    Send {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Room alias or id.
+        #[arg(long)]
+        room: String,
+        /// The text.
+        #[arg(long)]
+        text: String,
+        /// Request id (a repeat with the same id sends nothing new); a new one when absent.
+        #[arg(long)]
+        request_id: Option<String>,
+    },
+    /// Ask for a session turn now.
+    Turn {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Why, for the log.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+/// Writes a new signing key (its seed, 64 hex digits, mode 0600) and prints the public key
+/// with the config block that lets it in.
+pub(crate) fn keygen(out: &Path, agent: &str) -> Result<(), Failure> {
+    if out.exists() {
+        return Err(Failure::input(anyhow::anyhow!(
+            "{} exists; not overwriting a key",
+            out.display()
+        )));
+    }
+    let mut seed = [0u8; 32];
+    for chunk in seed.chunks_mut(16) {
+        chunk.copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    }
+    // uuid v4 has 122 random bits per 16 bytes; hash them so every key bit is uniform.
+    let seed: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
+        <sha2::Sha256 as sha2::Digest>::new(),
+        seed,
+    ))
+    .into();
+    let key = SigningKey::from_bytes(&seed);
+    write_private(out, &hex(&seed)).with_context(|| format!("writing {}", out.display()))?;
+    let public = hex(key.verifying_key().as_bytes());
+    println!(
+        "# add to the gateway's config:\n[[cultnet.client]]\nagent_id = {agent:?}\npublic_key = \"{public}\"\npersonas = [\"*\"]"
+    );
+    Ok(())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    #[cfg(unix)]
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    opts.mode(0o600);
+    let mut f = opts.open(path)?;
+    writeln!(f, "{text}")
+}
+
+/// Connects, asks, prints the receipt as JSON.
+pub(crate) fn run(
+    gateway: SocketAddr,
+    agent: &str,
+    key_file: &Path,
+    timeout: Duration,
+    ask: Ask,
+) -> Result<(), Failure> {
+    let key = load_key(key_file).map_err(|e| Failure::input(e.into()))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(async {
+        let mut c = Client::connect(gateway, agent, &key, timeout)
+            .await
+            .with_context(|| format!("connecting to {gateway}"))?;
+        let key = uuid::Uuid::new_v4().to_string();
+        let out = match ask {
+            Ask::Status { persona } => json(
+                &c.request::<_, GatewayStatus>(
+                    ids::STATUS_REQUEST,
+                    &key,
+                    &StatusRequest { persona },
+                )
+                .await?,
+            ),
+            Ask::Pending {
+                persona,
+                after,
+                limit,
+            } => json(
+                &c.request::<_, PendingPage>(
+                    ids::PENDING_REQUEST,
+                    &key,
+                    &PendingRequest {
+                        persona,
+                        after_seq: after,
+                        limit,
+                        reply_bytes: None,
+                    },
+                )
+                .await?,
+            ),
+            Ask::Ack { persona, through } => json(
+                &c.request::<_, AckReceipt>(
+                    ids::ACK_REQUEST,
+                    &key,
+                    &AckRequest {
+                        persona,
+                        through_seq: through,
+                    },
+                )
+                .await?,
+            ),
+            Ask::Send {
+                persona,
+                room,
+                text,
+                request_id,
+            } => {
+                let request_id = request_id.unwrap_or_else(|| key.clone());
+                json(
+                    &c.request::<_, SendReceipt>(
+                        ids::SEND_REQUEST,
+                        &request_id,
+                        &SendRequest {
+                            request_id: request_id.clone(),
+                            persona,
+                            room,
+                            text,
+                            thread_root: None,
+                            reply_to: None,
+                        },
+                    )
+                    .await?,
+                )
+            }
+            Ask::Turn { persona, reason } => json(
+                &c.request::<_, TurnReceipt>(
+                    ids::TURN_REQUEST,
+                    &key,
+                    &TurnRequest { persona, reason },
+                )
+                .await?,
+            ),
+        };
+        c.close().await;
+        println!("{out}");
+        anyhow::Ok(())
+    })
+    .map_err(Failure::from)
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string_pretty(v).unwrap_or_default()
+}

@@ -1,0 +1,195 @@
+//! A CultNet client of the gateway: connects with a signed Connect payload and makes requests,
+//! waiting for the receipt under the request's record key. Used by `cultnet-gateway client` (an
+//! operator's tool) and by the tests; Mind organs in other languages do the same over their own
+//! CultNet runtimes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ed25519_dalek::SigningKey;
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::sync::mpsc;
+use wire::docs::ConnectPayload;
+use wire::error::CloseReason;
+use wire::hub::HubEvent;
+use wire::msg::{Message, Put, RawDocument};
+use wire::session::GATEWAY_CONNECTION_ID;
+
+use crate::endpoint::{self, EndpointConfig, EndpointError, EndpointEvent, EndpointHandle};
+use crate::service::{rfc3339, CHANNEL};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The local endpoint failed.
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    /// The gateway refused the Connect (its reason).
+    #[error("the gateway refused the connection: {0}")]
+    Refused(String),
+    /// The session ended.
+    #[error("the gateway closed the session: {0:?}")]
+    Closed(CloseReason),
+    /// No answer in time.
+    #[error("no answer from the gateway at {0} within {1:?}")]
+    Timeout(SocketAddr, Duration),
+    /// The gateway answered with `cultnet.error.v0`.
+    #[error("the gateway answered with an error: {0}")]
+    Gateway(String),
+    /// The receipt did not decode.
+    #[error("the receipt does not decode: {0}")]
+    BadReceipt(String),
+}
+
+/// A connected client.
+#[derive(Debug)]
+pub struct Client {
+    endpoint: EndpointHandle,
+    events: mpsc::Receiver<EndpointEvent>,
+    server: SocketAddr,
+    timeout: Duration,
+    agent_id: String,
+}
+
+impl Client {
+    /// Connects to the gateway at `server` as `agent_id`, signing with `key`.
+    pub async fn connect(
+        server: SocketAddr,
+        agent_id: &str,
+        key: &SigningKey,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let bind = if server.is_ipv4() {
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        } else {
+            SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 0))
+        };
+        let (endpoint, events, _task) =
+            endpoint::spawn(EndpointConfig::new(bind, rand_seed())).await?;
+        let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+        let payload = ConnectPayload::sign(
+            key,
+            GATEWAY_CONNECTION_ID,
+            agent_id,
+            issued_at,
+            &uuid::Uuid::new_v4().to_string(),
+        );
+        endpoint
+            .connect(server, Bytes::from(payload.encode()))
+            .await?;
+        let mut me = Self {
+            endpoint,
+            events,
+            server,
+            timeout,
+            agent_id: agent_id.to_owned(),
+        };
+        loop {
+            match me.next_event().await? {
+                HubEvent::Connected { .. } => return Ok(me),
+                HubEvent::Disconnected { reason, .. } => return Err(refusal(reason)),
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends raw bytes on the request channel (for tests of what the gateway does with them).
+    pub async fn send_raw(&self, bytes: Vec<u8>) -> Result<(), ClientError> {
+        Ok(self
+            .endpoint
+            .send(self.server, CHANNEL, Bytes::from(bytes))
+            .await?)
+    }
+
+    /// Puts a request document `schema` under `record_key` and waits for the receipt with the
+    /// same record key, decoded as `R`.
+    pub async fn request<T: Serialize, R: DeserializeOwned>(
+        &mut self,
+        schema: &str,
+        record_key: &str,
+        payload: &T,
+    ) -> Result<R, ClientError> {
+        let mut doc =
+            RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
+        doc.source_agent_id = Some(self.agent_id.clone());
+        let msg = Message::DocumentPutRaw(Put {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            document: doc,
+        });
+        self.send_raw(msg.encode()).await?;
+        loop {
+            match self.next_message().await? {
+                Message::DocumentPutRaw(p) if p.document.record_key == record_key => {
+                    return p
+                        .document
+                        .payload_as()
+                        .map_err(|e| ClientError::BadReceipt(e.to_string()));
+                }
+                Message::Error(e) => return Err(ClientError::Gateway(e.error)),
+                _ => {}
+            }
+        }
+    }
+
+    /// The next message the gateway sends.
+    pub async fn next_message(&mut self) -> Result<Message, ClientError> {
+        loop {
+            match self.next_event().await? {
+                HubEvent::Frame { frame, .. } => {
+                    if let Ok(m) = Message::decode(&frame.payload) {
+                        return Ok(m);
+                    }
+                }
+                HubEvent::Disconnected { reason, .. } => return Err(ClientError::Closed(reason)),
+                _ => {}
+            }
+        }
+    }
+
+    async fn next_event(&mut self) -> Result<HubEvent, ClientError> {
+        match tokio::time::timeout(self.timeout, self.events.recv()).await {
+            Err(_) => Err(ClientError::Timeout(self.server, self.timeout)),
+            Ok(None) => Err(ClientError::Endpoint(EndpointError::Stopped)),
+            Ok(Some(EndpointEvent::Hub(e))) => Ok(e),
+            Ok(Some(EndpointEvent::SendFailed { error, .. })) => {
+                Err(ClientError::Gateway(format!("request not sent: {error}")))
+            }
+        }
+    }
+
+    /// Closes the session.
+    pub async fn close(self) {
+        let _ = self.endpoint.disconnect(self.server, "done").await;
+        let _ = self.endpoint.shutdown().await;
+    }
+}
+
+/// A session that ends before it was accepted was refused: the server's Disconnect says why.
+fn refusal(reason: CloseReason) -> ClientError {
+    match reason {
+        CloseReason::Refused(why) | CloseReason::Peer(why) => ClientError::Refused(why),
+        other => ClientError::Closed(other),
+    }
+}
+
+/// A seed for the endpoint's initial sequences.
+pub fn rand_seed() -> u64 {
+    let b = uuid::Uuid::new_v4().into_bytes();
+    u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+}
+
+/// Reads an ed25519 signing key: a file holding its 32-byte seed as 64 hex digits, readable by
+/// its owner only.
+pub fn load_key(path: &std::path::Path) -> Result<SigningKey, crate::config::ConfigError> {
+    let bad = |problem: String| crate::config::ConfigError {
+        persona: None,
+        key: "(client key)".into(),
+        problem,
+    };
+    let text = crate::config::read_private(path).map_err(bad)?;
+    let seed = crate::config::hex32(text.expose().trim())
+        .ok_or_else(|| bad(format!("{} does not hold 64 hex digits", path.display())))?;
+    Ok(SigningKey::from_bytes(&seed))
+}

@@ -1,0 +1,689 @@
+//! The CultNet service: what local clients (Mind organs, a heartbeat, operator tools) ask of the
+//! gateway over the loopback endpoint, and its answers.
+//!
+//! - **Connect**: a client's Connect payload is a signed [`ConnectPayload`]; it is accepted only
+//!   when its agent id is configured (`[[cultnet.client]]`), the signature verifies under that
+//!   agent's pinned ed25519 key for this service's connection id, `issuedAt` is within
+//!   `max_skew_secs` of now, and the nonce was not used before (replay). Every refusal says why
+//!   to the client and in the log.
+//! - **Requests** are `cultnet.document_put_raw.v0` documents whose schema id names the request
+//!   ([`wire::docs`]); the answer is the receipt document under the same record key. A client may
+//!   act only for the Personas and verbs its config names. Refused ack, send and turn requests get
+//!   their receipt with status `rejected` and the reason; a refused pending or status request, a
+//!   message that does not decode and a document of an unknown type get `cultnet.error.v0`
+//!   naming the record key.
+//! - `cultnet.hello.v0` is answered with the gateway's hello, and a schema catalog request with
+//!   the catalog.
+//!
+//! [`Service`] holds the rules and answers what it can at once; a send, which may wait for the
+//! homeserver, comes back as [`Answer::Send`] for [`serve`] to run on its own task, so one slow
+//! homeserver does not hold other clients up.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ed25519_dalek::VerifyingKey;
+use serde::Serialize;
+use tokio::sync::{mpsc, watch, Notify};
+use wire::docs::{
+    ids, AckReceipt, AuthError, ConnectPayload, GatewayStatus, PersonaStatus, Request, SendReceipt,
+    Status, TurnReceipt,
+};
+use wire::hub::HubEvent;
+use wire::msg::{ErrorMsg, Message, Put, RawDocument};
+use wire::session::Frame;
+
+use crate::config::{Client, Verb};
+use crate::ear::{EarStats, Signals};
+use crate::endpoint::{EndpointEvent, EndpointHandle};
+use crate::inbox::Inbox;
+use crate::mouth::Mouth;
+
+/// The channel requests and answers travel on.
+pub const CHANNEL: &str = "schema";
+/// Deliveries per page when the request names no limit, and the most one page holds.
+pub const DEFAULT_PAGE: u32 = 50;
+/// The most deliveries one page holds.
+pub const MAX_PAGE: u32 = 500;
+/// Encoded bytes per page when the request names none, and the most it may ask for.
+pub const DEFAULT_REPLY_BYTES: u32 = 256 * 1024;
+/// The most encoded bytes one page may ask for.
+pub const MAX_REPLY_BYTES: u32 = 4 * 1024 * 1024;
+/// Connect nonces remembered at most (older ones are beyond the skew window anyway).
+const MAX_NONCES: usize = 100_000;
+
+/// Why a Connect was refused (the client is told the same text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The payload is not a signed Connect payload, or the signature or time is wrong.
+    #[error("{0}")]
+    Auth(#[from] AuthError),
+    /// No client with this agent id is configured.
+    #[error("agent {0:?} is not a configured client")]
+    UnknownAgent(String),
+    /// This nonce was used before.
+    #[error("nonce already used by agent {0:?} (replayed connect)")]
+    Replay(String),
+}
+
+/// What a Persona offers the service: her inbox side is shared; a mouth and a turn trigger only
+/// when she is running.
+#[derive(Clone)]
+pub struct Port {
+    /// Her Matrix user id.
+    pub user_id: String,
+    /// Pending deliveries at which her ear holds back.
+    pub max_pending: u64,
+    /// Her mouth (absent when she could not start).
+    pub mouth: Option<Mouth>,
+    /// Her turn loop's trigger (absent when her session is off).
+    pub turn_requests: Option<Arc<Notify>>,
+    /// Her signals (acks wake her ear when it holds back).
+    pub signals: Arc<Signals>,
+    /// Her ear's counters.
+    pub ear: Option<Arc<EarStats>>,
+    /// Why she is not running, when she is not.
+    pub failed: Option<String>,
+}
+
+impl std::fmt::Debug for Port {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Port")
+            .field("user_id", &self.user_id)
+            .field("running", &self.mouth.is_some())
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+/// An answer that needs the network: run by [`serve`] on its own task.
+#[derive(Debug)]
+pub enum Answer {
+    /// Bytes to send back now.
+    Reply(Bytes),
+    /// A send for the mouth; its receipt goes back under `record_key`.
+    Send {
+        /// The request document's record key.
+        record_key: String,
+        /// The request.
+        request: wire::docs::SendRequest,
+        /// Her mouth.
+        mouth: Mouth,
+    },
+    /// A read receipt for the last acknowledged event.
+    ReadReceipt {
+        /// Her mouth.
+        mouth: Mouth,
+        /// The room.
+        room_id: String,
+        /// The event.
+        event_id: String,
+    },
+}
+
+/// Service counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceStats {
+    /// Connects accepted.
+    pub accepted: u64,
+    /// Connects refused.
+    pub refused: u64,
+    /// Requests answered with a receipt (any status).
+    pub requests: u64,
+    /// Requests refused (permission, unknown Persona, bad payload).
+    pub rejected: u64,
+    /// Messages that did not decode, or were not requests.
+    pub bad_messages: u64,
+}
+
+/// The service's state and rules.
+#[derive(Debug)]
+pub struct Service {
+    runtime_id: String,
+    started_at: String,
+    connection_id: u32,
+    max_skew_ms: u64,
+    inbox: Inbox,
+    clients: HashMap<String, (VerifyingKey, Client)>,
+    ports: BTreeMap<String, Port>,
+    peers: HashMap<SocketAddr, String>,
+    nonces: HashMap<(String, String), u64>,
+    stats: ServiceStats,
+}
+
+impl Service {
+    /// A service for the configured clients (keys already checked by the config; an invalid one
+    /// is left out and logged).
+    pub fn new(
+        runtime_id: &str,
+        connection_id: u32,
+        max_skew_secs: u64,
+        inbox: Inbox,
+        clients: &[Client],
+        ports: BTreeMap<String, Port>,
+    ) -> Self {
+        let clients = clients
+            .iter()
+            .filter_map(|c| {
+                let key = c
+                    .key_bytes()
+                    .and_then(|k| VerifyingKey::from_bytes(&k).ok());
+                if key.is_none() {
+                    tracing::error!(agent = %c.agent_id, "client key is not an ed25519 key; left out");
+                }
+                Some((c.agent_id.clone(), (key?, c.clone())))
+            })
+            .collect();
+        Self {
+            runtime_id: runtime_id.to_owned(),
+            started_at: rfc3339(crate::ear::unix_ms()),
+            connection_id,
+            max_skew_ms: max_skew_secs.saturating_mul(1000),
+            inbox,
+            clients,
+            ports,
+            peers: HashMap::new(),
+            nonces: HashMap::new(),
+            stats: ServiceStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ServiceStats {
+        self.stats
+    }
+
+    /// Checks a Connect payload from `peer` at `now_ms`; on success the peer may send requests
+    /// as that agent.
+    pub fn authenticate(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Result<String, Refusal> {
+        let out = self.check_connect(payload, now_ms);
+        match &out {
+            Ok(agent) => {
+                self.stats.accepted += 1;
+                self.peers.insert(peer, agent.clone());
+                tracing::info!(%peer, %agent, "CultNet client connected");
+            }
+            Err(why) => {
+                self.stats.refused += 1;
+                tracing::warn!(%peer, "CultNet connect refused: {why}");
+            }
+        }
+        out
+    }
+
+    fn check_connect(&mut self, payload: &[u8], now_ms: u64) -> Result<String, Refusal> {
+        let p = ConnectPayload::decode(payload)?;
+        let (key, _) = self
+            .clients
+            .get(&p.agent_id)
+            .ok_or_else(|| Refusal::UnknownAgent(p.agent_id.clone()))?;
+        p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
+        let horizon = now_ms.saturating_sub(self.max_skew_ms.saturating_mul(2));
+        if self.nonces.len() >= MAX_NONCES {
+            self.nonces.retain(|_, at| *at >= horizon);
+        }
+        if self.nonces.len() >= MAX_NONCES {
+            // Only a flood of valid, fresh connects gets here; forgetting the oldest half
+            // would reopen a replay window, so refuse until they age out.
+            return Err(Refusal::Replay(p.agent_id));
+        }
+        let fresh = self
+            .nonces
+            .insert((p.agent_id.clone(), p.nonce.clone()), p.issued_at)
+            .is_none();
+        if !fresh {
+            return Err(Refusal::Replay(p.agent_id));
+        }
+        Ok(p.agent_id)
+    }
+
+    /// Forgets a peer whose session ended.
+    pub fn forget(&mut self, peer: SocketAddr) {
+        if let Some(agent) = self.peers.remove(&peer) {
+            tracing::info!(%peer, %agent, "CultNet client gone");
+        }
+    }
+
+    /// Answers one frame from an authenticated peer.
+    pub fn handle(&mut self, peer: SocketAddr, frame: &Frame) -> Vec<Answer> {
+        let Some(agent) = self.peers.get(&peer).cloned() else {
+            return Vec::new();
+        };
+        if &*frame.channel != CHANNEL {
+            self.stats.bad_messages += 1;
+            tracing::debug!(%peer, channel = %frame.channel, "frame on another channel ignored");
+            return Vec::new();
+        }
+        let message = match Message::decode(&frame.payload) {
+            Ok(m) => m,
+            Err(e) => {
+                self.stats.bad_messages += 1;
+                return vec![error(format!("message does not decode: {e}"))];
+            }
+        };
+        match message {
+            Message::Hello(_) => vec![Answer::Reply(Bytes::from(
+                Message::Hello(wire::docs::gateway_hello(&self.runtime_id)).encode(),
+            ))],
+            Message::SchemaCatalogRequest(req) => vec![Answer::Reply(Bytes::from(
+                Message::SchemaCatalogResponse(wire::contracts::answer(&req)).encode(),
+            ))],
+            Message::DocumentPutRaw(put) => self.request(&agent, &put.document),
+            Message::DocumentPut(put) => {
+                self.stats.bad_messages += 1;
+                vec![error(format!(
+                    "request {:?} ({}): send requests as cultnet.document_put_raw.v0",
+                    put.document.record_key, put.document.schema_id
+                ))]
+            }
+            other => {
+                self.stats.bad_messages += 1;
+                vec![error(format!(
+                    "{} is not something this gateway answers",
+                    other.schema_version()
+                ))]
+            }
+        }
+    }
+
+    fn request(&mut self, agent: &str, doc: &RawDocument) -> Vec<Answer> {
+        let key = doc.record_key.clone();
+        let req = match Request::from_document(doc) {
+            Ok(r) => r,
+            Err(e) => {
+                self.stats.bad_messages += 1;
+                return vec![error(format!("request {key:?} ({}): {e}", doc.schema_id))];
+            }
+        };
+        if let Err(why) = self.permit(agent, &req) {
+            self.stats.rejected += 1;
+            tracing::warn!(%agent, record = %key, "request refused: {why}");
+            return vec![self.refusal(&req, &key, why)];
+        }
+        self.stats.requests += 1;
+        match req {
+            Request::Pending(r) => {
+                let limit = r.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE) as usize;
+                let bytes = r
+                    .reply_bytes
+                    .unwrap_or(DEFAULT_REPLY_BYTES)
+                    .clamp(1024, MAX_REPLY_BYTES) as usize;
+                match self
+                    .inbox
+                    .pending(&r.persona, r.after_seq, limit, Some(bytes))
+                {
+                    Ok(page) => vec![self.receipt(
+                        ids::PENDING_PAGE,
+                        &key,
+                        &wire::docs::PendingPage {
+                            persona: r.persona,
+                            deliveries: page.deliveries,
+                            through_seq: page.through_seq,
+                            more: page.more,
+                            pending_count: page.pending_count,
+                        },
+                    )],
+                    Err(e) => vec![error(format!("request {key:?}: inbox: {e}"))],
+                }
+            }
+            Request::Ack(r) => self.ack(&key, r),
+            Request::Send(r) => {
+                let Some(mouth) = self.ports.get(&r.persona).and_then(|p| p.mouth.clone()) else {
+                    return vec![self.receipt(
+                        ids::SEND_RECEIPT,
+                        &key,
+                        &SendReceipt {
+                            request_id: r.request_id,
+                            status: Status::Failed,
+                            error: Some(format!("{} is not running now", r.persona)),
+                            ..SendReceipt::default()
+                        },
+                    )];
+                };
+                vec![Answer::Send {
+                    record_key: key,
+                    request: r,
+                    mouth,
+                }]
+            }
+            Request::Turn(r) => {
+                let trigger = self
+                    .ports
+                    .get(&r.persona)
+                    .and_then(|p| p.turn_requests.clone());
+                let receipt = match trigger {
+                    Some(t) => {
+                        tracing::info!(persona = %r.persona, reason = ?r.reason, %agent, "turn requested");
+                        t.notify_one();
+                        TurnReceipt {
+                            persona: r.persona,
+                            status: Status::Ok,
+                            ..TurnReceipt::default()
+                        }
+                    }
+                    None => TurnReceipt {
+                        persona: r.persona,
+                        status: Status::Rejected,
+                        error: Some(
+                            "her session is off (mouth-only): her Minds drive her turns".into(),
+                        ),
+                        ..TurnReceipt::default()
+                    },
+                };
+                vec![self.receipt(ids::TURN_RECEIPT, &key, &receipt)]
+            }
+            Request::Status(r) => {
+                let allowed = self.clients.get(agent).map(|(_, c)| c.clone());
+                let personas = self
+                    .ports
+                    .keys()
+                    .filter(|p| r.persona.as_deref().is_none_or(|only| only == *p))
+                    .filter(|p| allowed.as_ref().is_some_and(|c| c.allows_persona(p)))
+                    .cloned()
+                    .collect::<Vec<_>>();
+                let status = self.status(&personas);
+                vec![self.receipt(ids::STATUS, &key, &status)]
+            }
+            _ => vec![error(format!("request {key:?}: not supported"))],
+        }
+    }
+
+    fn ack(&mut self, key: &str, r: wire::docs::AckRequest) -> Vec<Answer> {
+        // The event acknowledged last gets her read receipt.
+        let last = self
+            .inbox
+            .pending(&r.persona, r.through_seq.saturating_sub(1), 1, None)
+            .ok()
+            .and_then(|p| p.deliveries.into_iter().next())
+            .filter(|d| d.seq == r.through_seq);
+        let port = self.ports.get(&r.persona);
+        match self.inbox.ack(&r.persona, r.through_seq) {
+            Ok(c) => {
+                let mut out = vec![self.receipt(
+                    ids::ACK_RECEIPT,
+                    key,
+                    &AckReceipt {
+                        persona: r.persona.clone(),
+                        status: Status::Ok,
+                        through_seq: c.acked_through,
+                        pending_count: c.pending,
+                        error: None,
+                    },
+                )];
+                if let Some(port) = port {
+                    port.signals.acked.notify_one();
+                    if let (Some(mouth), Some(d)) = (port.mouth.clone(), last) {
+                        out.push(Answer::ReadReceipt {
+                            mouth,
+                            room_id: d.room_id,
+                            event_id: d.event_id,
+                        });
+                    }
+                }
+                out
+            }
+            Err(e) => {
+                let pending_count = self.inbox.counts(&r.persona).map_or(0, |c| c.pending);
+                vec![self.receipt(
+                    ids::ACK_RECEIPT,
+                    key,
+                    &AckReceipt {
+                        persona: r.persona,
+                        status: Status::Rejected,
+                        through_seq: r.through_seq,
+                        pending_count,
+                        error: Some(e.to_string()),
+                    },
+                )]
+            }
+        }
+    }
+
+    /// Whether `agent` may make `req`.
+    fn permit(&self, agent: &str, req: &Request) -> Result<(), String> {
+        let Some((_, client)) = self.clients.get(agent) else {
+            return Err(format!("agent {agent:?} is no longer configured"));
+        };
+        let verb = match req {
+            Request::Pending(_) => Verb::Pending,
+            Request::Ack(_) => Verb::Ack,
+            Request::Send(_) => Verb::Send,
+            Request::Turn(_) => Verb::Turn,
+            Request::Status(_) => Verb::Status,
+            _ => return Err("unknown request".into()),
+        };
+        if !client.verbs.contains(&verb) {
+            return Err(format!("agent {agent:?} may not make {verb:?} requests"));
+        }
+        if let Some(persona) = req.persona() {
+            if !self.ports.contains_key(persona) {
+                return Err(format!("no Persona {persona:?} here"));
+            }
+            if !client.allows_persona(persona) {
+                return Err(format!("agent {agent:?} may not act for {persona:?}"));
+            }
+        }
+        if let Request::Send(s) = req {
+            if s.request_id.trim().is_empty() {
+                return Err(
+                    "a send request needs a requestId (it makes the send exactly-once)".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn refusal(&self, req: &Request, key: &str, why: String) -> Answer {
+        match req {
+            Request::Ack(r) => self.receipt(
+                ids::ACK_RECEIPT,
+                key,
+                &AckReceipt {
+                    persona: r.persona.clone(),
+                    status: Status::Rejected,
+                    through_seq: r.through_seq,
+                    pending_count: 0,
+                    error: Some(why),
+                },
+            ),
+            Request::Send(r) => self.receipt(
+                ids::SEND_RECEIPT,
+                key,
+                &SendReceipt {
+                    request_id: r.request_id.clone(),
+                    status: Status::Rejected,
+                    error: Some(why),
+                    ..SendReceipt::default()
+                },
+            ),
+            Request::Turn(r) => self.receipt(
+                ids::TURN_RECEIPT,
+                key,
+                &TurnReceipt {
+                    persona: r.persona.clone(),
+                    status: Status::Rejected,
+                    error: Some(why),
+                    ..TurnReceipt::default()
+                },
+            ),
+            _ => error(format!("request {key:?}: {why}")),
+        }
+    }
+
+    /// The gateway's status for these Personas.
+    pub fn status(&self, personas: &[String]) -> GatewayStatus {
+        GatewayStatus {
+            runtime_id: self.runtime_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            started_at: self.started_at.clone(),
+            peers: u32::try_from(self.peers.len()).unwrap_or(u32::MAX),
+            personas: personas
+                .iter()
+                .filter_map(|id| Some((id, self.ports.get(id)?)))
+                .map(|(id, port)| {
+                    let c = self.inbox.counts(id).unwrap_or_default();
+                    let sync_state = if port.failed.is_some() {
+                        "stopped"
+                    } else if c.pending >= port.max_pending {
+                        "held"
+                    } else if port
+                        .ear
+                        .as_ref()
+                        .is_some_and(|e| e.errors.load(Ordering::Relaxed) > 0)
+                    {
+                        "syncing (after errors)"
+                    } else {
+                        "syncing"
+                    };
+                    PersonaStatus {
+                        persona: id.clone(),
+                        user_id: port.user_id.clone(),
+                        sync_state: sync_state.to_owned(),
+                        pending_count: c.pending,
+                        highest_seq: c.highest,
+                        acked_through: c.acked_through,
+                        last_error: port.failed.clone(),
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    fn receipt<T: Serialize>(&self, schema: &str, key: &str, payload: &T) -> Answer {
+        Answer::Reply(receipt_bytes(&self.runtime_id, schema, key, payload))
+    }
+}
+
+/// A receipt document in a `cultnet.document_put_raw.v0` message.
+pub fn receipt_bytes<T: Serialize>(
+    runtime_id: &str,
+    schema: &str,
+    key: &str,
+    payload: &T,
+) -> Bytes {
+    let mut doc = RawDocument::from_payload(schema, key, &rfc3339(crate::ear::unix_ms()), payload);
+    doc.source_runtime_id = Some(runtime_id.to_owned());
+    doc.source_role = Some("matrix_gateway".to_owned());
+    Bytes::from(
+        Message::DocumentPutRaw(Put {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            document: doc,
+        })
+        .encode(),
+    )
+}
+
+fn error(text: String) -> Answer {
+    Answer::Reply(Bytes::from(
+        Message::Error(ErrorMsg { error: text }).encode(),
+    ))
+}
+
+/// `unix_ms` as RFC 3339 in UTC with milliseconds (`1970-01-01T00:00:00.000Z`).
+pub fn rfc3339(unix_ms: i64) -> String {
+    let secs = unix_ms.div_euclid(1000);
+    let ms = unix_ms.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil from days (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Runs the service over an endpoint until `stop` turns true.
+pub async fn serve(
+    mut service: Service,
+    endpoint: EndpointHandle,
+    mut events: mpsc::Receiver<EndpointEvent>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let event = tokio::select! {
+            e = events.recv() => e,
+            _ = stop.changed() => break,
+        };
+        let Some(event) = event else { break };
+        let EndpointEvent::Hub(event) = event else {
+            if let EndpointEvent::SendFailed { peer, error } = event {
+                tracing::warn!(%peer, "answer not sent: {error}");
+            }
+            continue;
+        };
+        match event {
+            HubEvent::ConnectRequest { peer, payload } => {
+                let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+                let r = match service.authenticate(peer, &payload, now) {
+                    Ok(_) => endpoint.accept(peer).await,
+                    Err(why) => endpoint.refuse(peer, &why.to_string()).await,
+                };
+                if r.is_err() {
+                    break;
+                }
+            }
+            HubEvent::Frame { peer, frame } => {
+                for answer in service.handle(peer, &frame) {
+                    run_answer(&service.runtime_id, &endpoint, peer, answer).await;
+                }
+            }
+            HubEvent::Disconnected { peer, reason } => {
+                tracing::debug!(%peer, ?reason, "CultNet session ended");
+                service.forget(peer);
+            }
+            HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
+        }
+    }
+    let _ = endpoint.shutdown().await;
+}
+
+async fn run_answer(runtime_id: &str, endpoint: &EndpointHandle, peer: SocketAddr, answer: Answer) {
+    match answer {
+        Answer::Reply(bytes) => {
+            let _ = endpoint.send(peer, CHANNEL, bytes).await;
+        }
+        Answer::Send {
+            record_key,
+            request,
+            mouth,
+        } => {
+            let endpoint = endpoint.clone();
+            let runtime_id = runtime_id.to_owned();
+            tokio::spawn(async move {
+                let receipt = mouth.send(&request).await;
+                let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
+                let _ = endpoint.send(peer, CHANNEL, bytes).await;
+            });
+        }
+        Answer::ReadReceipt {
+            mouth,
+            room_id,
+            event_id,
+        } => {
+            tokio::spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,423 @@
+use std::sync::Arc;
+
+use ed25519_dalek::SigningKey;
+use wire::docs::{
+    AckRequest, Delivery, PendingPage, PendingRequest, SendRequest, StatusRequest, TurnRequest,
+};
+use wire::msg::{Hello, SchemaCatalogRequest};
+use wire::session::GATEWAY_CONNECTION_ID;
+
+use super::*;
+
+const NOW: u64 = 1_800_000_000_000;
+
+fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn client(agent: &str, seed: u8, personas: &[&str], verbs: &[Verb]) -> Client {
+    Client {
+        agent_id: agent.into(),
+        public_key: hex(key(seed).verifying_key().as_bytes()),
+        personas: personas.iter().map(|s| (*s).to_owned()).collect(),
+        verbs: verbs.to_vec(),
+    }
+}
+
+fn port(trigger: Option<Arc<Notify>>) -> Port {
+    Port {
+        user_id: "@mira:l".into(),
+        max_pending: 1000,
+        mouth: None,
+        turn_requests: trigger,
+        signals: Arc::default(),
+        ear: None,
+        failed: None,
+    }
+}
+
+struct Fixture {
+    svc: Service,
+    inbox: Inbox,
+    trigger: Arc<Notify>,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    pub(super) struct Dir(pub(super) std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    pub(super) fn new(name: &str) -> Dir {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        Dir(std::env::temp_dir().join(format!(
+            "cultnet-service-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        )))
+    }
+}
+
+fn fixture(name: &str) -> Fixture {
+    let dir = tempdir::new(name);
+    let inbox = Inbox::open(&dir.0).unwrap();
+    let trigger = Arc::new(Notify::new());
+    let mut ports = BTreeMap::new();
+    ports.insert("mira".to_owned(), port(Some(trigger.clone())));
+    ports.insert("otto".to_owned(), port(None));
+    let clients = [
+        client("organ", 1, &["mira"], &Verb::ALL),
+        client("heartbeat", 2, &["*"], &[Verb::Status, Verb::Turn]),
+    ];
+    Fixture {
+        svc: Service::new(
+            "gw-test",
+            GATEWAY_CONNECTION_ID,
+            120,
+            inbox.clone(),
+            &clients,
+            ports,
+        ),
+        inbox,
+        trigger,
+        _dir: dir,
+    }
+}
+
+fn peer(n: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 40_000 + n))
+}
+
+fn connect(
+    svc: &mut Service,
+    p: SocketAddr,
+    agent: &str,
+    seed: u8,
+    nonce: &str,
+) -> Result<String, Refusal> {
+    let payload = ConnectPayload::sign(&key(seed), GATEWAY_CONNECTION_ID, agent, NOW, nonce);
+    svc.authenticate(p, &payload.encode(), NOW)
+}
+
+fn frame(bytes: Vec<u8>) -> Frame {
+    Frame {
+        channel: Arc::from(CHANNEL),
+        payload: Bytes::from(bytes),
+    }
+}
+
+fn put<T: Serialize>(schema: &str, record_key: &str, payload: &T) -> Frame {
+    frame(
+        Message::DocumentPutRaw(Put {
+            message_id: "m1".into(),
+            document: RawDocument::from_payload(
+                schema,
+                record_key,
+                "2026-12-02T00:00:00Z",
+                payload,
+            ),
+        })
+        .encode(),
+    )
+}
+
+fn reply(answers: &[Answer]) -> Message {
+    match answers.first() {
+        Some(Answer::Reply(b)) => Message::decode(b).unwrap(),
+        other => panic!("expected a reply, got {other:?}"),
+    }
+}
+
+/// The receipt document of the first answer: its schema, record key and payload.
+fn receipt<T: serde::de::DeserializeOwned>(answers: &[Answer]) -> (String, String, T) {
+    match reply(answers) {
+        Message::DocumentPutRaw(p) => {
+            assert_eq!(p.document.source_runtime_id.as_deref(), Some("gw-test"));
+            let payload = p.document.payload_as().unwrap();
+            (p.document.schema_id, p.document.record_key, payload)
+        }
+        other => panic!("expected a receipt, got {other:?}"),
+    }
+}
+
+fn error_text(answers: &[Answer]) -> String {
+    match reply(answers) {
+        Message::Error(e) => e.error,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[test]
+fn connect_needs_a_configured_agent_its_pinned_key_a_fresh_time_and_a_new_nonce() {
+    let mut f = fixture("auth");
+    assert_eq!(
+        connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap(),
+        "organ"
+    );
+    // Signed by another key.
+    assert!(matches!(
+        connect(&mut f.svc, peer(2), "organ", 9, "n2"),
+        Err(Refusal::Auth(AuthError::BadSignature(_)))
+    ));
+    assert!(matches!(
+        connect(&mut f.svc, peer(2), "stranger", 1, "n3"),
+        Err(Refusal::UnknownAgent(a)) if a == "stranger"
+    ));
+    // The same nonce again, even from another address: a replay.
+    assert!(matches!(
+        connect(&mut f.svc, peer(3), "organ", 1, "n1"),
+        Err(Refusal::Replay(_))
+    ));
+    // Signed for another service's connection id.
+    let other = ConnectPayload::sign(&key(1), 0xE91F_0001, "organ", NOW, "n4");
+    assert!(matches!(
+        f.svc.authenticate(peer(4), &other.encode(), NOW),
+        Err(Refusal::Auth(AuthError::BadSignature(_)))
+    ));
+    // Issued too long ago.
+    let stale = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", NOW - 121_000, "n5");
+    assert!(matches!(
+        f.svc.authenticate(peer(5), &stale.encode(), NOW),
+        Err(Refusal::Auth(AuthError::Stale { .. }))
+    ));
+    assert!(matches!(
+        f.svc.authenticate(peer(6), b"\xc1 not msgpack", NOW),
+        Err(Refusal::Auth(AuthError::Malformed(_)))
+    ));
+    assert_eq!(f.svc.stats().accepted, 1);
+    assert_eq!(f.svc.stats().refused, 6);
+    // Refused peers are not heard.
+    assert!(f.svc.handle(peer(2), &frame(vec![0xc0])).is_empty());
+}
+
+#[test]
+fn hello_catalog_and_bad_messages_are_answered() {
+    let mut f = fixture("hello");
+    connect(&mut f.svc, peer(1), "organ", 1, "n").unwrap();
+    let hello = Message::Hello(Hello {
+        runtime_id: "organ-1".into(),
+        runtime_kind: "organ".into(),
+        ..Hello::default()
+    });
+    let Message::Hello(h) = reply(&f.svc.handle(peer(1), &frame(hello.encode()))) else {
+        panic!()
+    };
+    assert_eq!(h.runtime_id, "gw-test");
+    assert!(h
+        .supported_document_types
+        .unwrap()
+        .contains(&ids::SEND_REQUEST.to_owned()));
+    let cat = Message::SchemaCatalogRequest(SchemaCatalogRequest {
+        message_id: "c1".into(),
+        ..SchemaCatalogRequest::default()
+    });
+    let Message::SchemaCatalogResponse(r) = reply(&f.svc.handle(peer(1), &frame(cat.encode())))
+    else {
+        panic!()
+    };
+    assert_eq!(r.message_id, "c1");
+    assert!(!r.schemas.is_empty());
+    assert!(
+        error_text(&f.svc.handle(peer(1), &frame(b"\x93garbage".to_vec())))
+            .contains("does not decode")
+    );
+    let unknown = put("bifrost.something_else.v0", "k9", &AckRequest::default());
+    let text = error_text(&f.svc.handle(peer(1), &unknown));
+    assert!(
+        text.contains("\"k9\"") && text.contains("bifrost.something_else.v0"),
+        "{text}"
+    );
+    // Another channel is not for requests.
+    let other = Frame {
+        channel: Arc::from("realtime"),
+        payload: Bytes::from(hello.encode()),
+    };
+    assert!(f.svc.handle(peer(1), &other).is_empty());
+    assert_eq!(f.svc.stats().bad_messages, 3);
+}
+
+fn d(event: &str) -> Delivery {
+    Delivery {
+        event_id: event.into(),
+        room_id: "!r:l".into(),
+        sender: "@ann:l".into(),
+        text: format!("said {event}"),
+        ..Delivery::default()
+    }
+}
+
+#[test]
+fn pending_and_ack_go_to_the_inbox() {
+    let mut f = fixture("pending");
+    f.inbox
+        .ingest("mira", "t1", &[d("$1"), d("$2"), d("$3")])
+        .unwrap();
+    connect(&mut f.svc, peer(1), "organ", 1, "n").unwrap();
+    let req = PendingRequest {
+        persona: "mira".into(),
+        after_seq: 1,
+        limit: Some(1),
+        reply_bytes: None,
+    };
+    let (schema, key, page): (_, _, PendingPage) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::PENDING_REQUEST, "r1", &req)),
+    );
+    assert_eq!((schema.as_str(), key.as_str()), (ids::PENDING_PAGE, "r1"));
+    assert_eq!(page.deliveries.len(), 1);
+    assert_eq!(page.deliveries[0].event_id, "$2");
+    assert_eq!(
+        (page.through_seq, page.more, page.pending_count),
+        (2, true, 3)
+    );
+    let ack = AckRequest {
+        persona: "mira".into(),
+        through_seq: 2,
+    };
+    let (_, key, r): (_, _, AckReceipt) =
+        receipt(&f.svc.handle(peer(1), &put(ids::ACK_REQUEST, "r2", &ack)));
+    assert_eq!(key, "r2");
+    assert_eq!(
+        (r.status, r.through_seq, r.pending_count),
+        (Status::Ok, 2, 1)
+    );
+    assert_eq!(f.inbox.counts("mira").unwrap().acked_through, 2);
+    let beyond = AckRequest {
+        persona: "mira".into(),
+        through_seq: 99,
+    };
+    let (_, _, r): (_, _, AckReceipt) =
+        receipt(&f.svc.handle(peer(1), &put(ids::ACK_REQUEST, "r3", &beyond)));
+    assert_eq!(r.status, Status::Rejected);
+    assert!(r.error.unwrap().contains("beyond the highest"));
+    assert_eq!(
+        f.inbox.counts("mira").unwrap().acked_through,
+        2,
+        "nothing changed"
+    );
+}
+
+#[test]
+fn clients_act_only_for_their_personas_and_verbs() {
+    let mut f = fixture("perm");
+    f.inbox.ingest("otto", "t", &[d("$1")]).unwrap();
+    connect(&mut f.svc, peer(1), "organ", 1, "a").unwrap();
+    connect(&mut f.svc, peer(2), "heartbeat", 2, "b").unwrap();
+    let ack = AckRequest {
+        persona: "otto".into(),
+        through_seq: 1,
+    };
+    let (_, _, r): (_, _, AckReceipt) =
+        receipt(&f.svc.handle(peer(1), &put(ids::ACK_REQUEST, "x", &ack)));
+    assert_eq!(r.status, Status::Rejected);
+    assert!(r.error.unwrap().contains("may not act for \"otto\""));
+    // heartbeat may act for every Persona, but only status and turn.
+    let (_, _, r): (_, _, AckReceipt) =
+        receipt(&f.svc.handle(peer(2), &put(ids::ACK_REQUEST, "y", &ack)));
+    assert!(r.error.unwrap().contains("may not make Ack"));
+    assert_eq!(f.inbox.counts("otto").unwrap().acked_through, 0);
+    let pending = PendingRequest {
+        persona: "otto".into(),
+        ..PendingRequest::default()
+    };
+    assert!(error_text(
+        &f.svc
+            .handle(peer(1), &put(ids::PENDING_REQUEST, "z", &pending))
+    )
+    .contains("may not act for"));
+    let nobody = PendingRequest {
+        persona: "nobody".into(),
+        ..PendingRequest::default()
+    };
+    assert!(error_text(
+        &f.svc
+            .handle(peer(1), &put(ids::PENDING_REQUEST, "w", &nobody))
+    )
+    .contains("no Persona \"nobody\""));
+    // Status shows what the client may see.
+    let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle(
+        peer(1),
+        &put(ids::STATUS_REQUEST, "s", &StatusRequest::default()),
+    ));
+    assert_eq!(s.personas.len(), 1);
+    assert_eq!(s.personas[0].persona, "mira");
+    assert_eq!(s.peers, 2);
+    let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle(
+        peer(2),
+        &put(ids::STATUS_REQUEST, "s", &StatusRequest::default()),
+    ));
+    let otto = s.personas.iter().find(|p| p.persona == "otto").unwrap();
+    assert_eq!((otto.pending_count, otto.highest_seq), (1, 1));
+    assert_eq!(f.svc.stats().rejected, 4);
+}
+
+#[test]
+fn turns_wake_a_live_session_and_sends_need_a_running_persona() {
+    let mut f = fixture("turn");
+    connect(&mut f.svc, peer(2), "heartbeat", 2, "b").unwrap();
+    connect(&mut f.svc, peer(1), "organ", 1, "a").unwrap();
+    let turn = |p: &str| TurnRequest {
+        persona: p.into(),
+        reason: Some("test".into()),
+    };
+    let (_, _, r): (_, _, TurnReceipt) = receipt(
+        &f.svc
+            .handle(peer(2), &put(ids::TURN_REQUEST, "t1", &turn("mira"))),
+    );
+    assert_eq!(r.status, Status::Ok);
+    // The trigger holds a permit: a waiter returns at once.
+    let waited = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(100), f.trigger.notified()).await
+        });
+    assert!(
+        waited.is_ok(),
+        "the turn request did not reach her turn loop"
+    );
+    let (_, _, r): (_, _, TurnReceipt) = receipt(
+        &f.svc
+            .handle(peer(2), &put(ids::TURN_REQUEST, "t2", &turn("otto"))),
+    );
+    assert_eq!(r.status, Status::Rejected);
+    assert!(r.error.unwrap().contains("mouth-only"));
+    let send = SendRequest {
+        request_id: "q1".into(),
+        persona: "mira".into(),
+        room: "!r:l".into(),
+        text: "hi".into(),
+        ..SendRequest::default()
+    };
+    let (schema, _, r): (_, _, SendReceipt) =
+        receipt(&f.svc.handle(peer(1), &put(ids::SEND_REQUEST, "q1", &send)));
+    assert_eq!(schema, ids::SEND_RECEIPT);
+    assert_eq!((r.status, r.request_id.as_str()), (Status::Failed, "q1"));
+    assert!(r.error.unwrap().contains("not running"));
+    let unnamed = SendRequest {
+        request_id: " ".into(),
+        ..send
+    };
+    let (_, _, r): (_, _, SendReceipt) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::SEND_REQUEST, "q2", &unnamed)),
+    );
+    assert_eq!(r.status, Status::Rejected);
+    assert!(r.error.unwrap().contains("needs a requestId"));
+}
+
+#[test]
+fn rfc3339_matches_known_instants() {
+    assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+    assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+    assert_eq!(rfc3339(1_796_256_000_000), "2026-12-03T00:00:00.000Z");
+    assert_eq!(rfc3339(-1), "1969-12-31T23:59:59.999Z");
+}
