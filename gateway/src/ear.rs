@@ -97,6 +97,8 @@ pub struct Ear {
     inbox: Inbox,
     me: Me,
     timelines: HashMap<String, Timeline>,
+    /// Rooms whose history was read with `/messages` for context in this process.
+    backfilled: std::collections::HashSet<String>,
     signals: Arc<Signals>,
     stats: Arc<EarStats>,
 }
@@ -129,6 +131,7 @@ impl Ear {
             inbox,
             me,
             timelines: HashMap::new(),
+            backfilled: Default::default(),
             signals,
             stats,
         }
@@ -240,6 +243,9 @@ impl Ear {
             let mail_from = joined_at.map_or(0, |i| events.len() + i + 1);
             events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
+            if since.is_some() && mail_from < events.len() {
+                lines.extend(self.backfill(&room, &info.room_id, &events).await);
+            }
             for (i, (utd, ev)) in events.into_iter().enumerate() {
                 let sender_name = self.sender_name(&room, &ev).await;
                 let id = ev
@@ -314,6 +320,86 @@ impl Ear {
             self.signals.mail.notify_one();
         }
         Ok(assigned.len())
+    }
+
+    /// When a room's stored timeline is shorter than a delivery's context (a cold start: the
+    /// first sync or a join seeded fewer lines than `context_lines`), reads the room's latest
+    /// events once per process with `/messages` and puts the lines older than the stored ones in
+    /// front of them. Returns those lines, to be stored with the response. A failed read leaves
+    /// the context to the stored lines, with a warning.
+    async fn backfill(
+        &mut self,
+        room: &Room,
+        room_id: &str,
+        events: &[(bool, Value)],
+    ) -> Vec<TimelineLine> {
+        let want = self.persona.limits.context_lines;
+        let have = self.timelines.get(room_id).map_or(0, VecDeque::len);
+        if have >= want || !self.backfilled.insert(room_id.to_owned()) {
+            return Vec::new();
+        }
+        let fresh: std::collections::HashSet<&str> = events
+            .iter()
+            .filter_map(|(_, v)| v.get("event_id")?.as_str())
+            .collect();
+        // Newest first: each line not stored yet and not in this response is older than the
+        // stored ones (a gap since the last response was filled into `events`). State events
+        // take room in a page too, so read on until enough lines (at most three pages).
+        let mut older = Vec::new();
+        let mut from: Option<String> = None;
+        for _ in 0..3 {
+            let mut opts = MessagesOptions::backward();
+            opts.from = from.take();
+            opts.limit = UInt::new((want + events.len()).min(1000) as u64).unwrap_or_default();
+            let page = match room.messages(opts).await {
+                Ok(page) => page,
+                Err(e) => {
+                    tracing::warn!(persona = %self.persona.id, room = %room_id, "context not fetched; the stored lines only: {e}");
+                    break;
+                }
+            };
+            let n = page.chunk.len();
+            for ev in page.chunk {
+                let Ok(v) = serde_json::from_str::<Value>(ev.raw().json().get()) else {
+                    continue;
+                };
+                let id = v
+                    .get("event_id")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let known = self
+                    .timelines
+                    .get(room_id)
+                    .is_some_and(|tl| tl.iter().any(|(_, l)| l.event_id == id));
+                if fresh.contains(id) || known {
+                    continue;
+                }
+                let name = self.sender_name(room, &v).await;
+                if let Some(line) = event::context_line(&v, name) {
+                    older.push((event::thread_of(&v).map(str::to_owned), line));
+                }
+            }
+            match page.end {
+                Some(end) if n > 0 && have + older.len() < want => from = Some(end),
+                _ => break,
+            }
+        }
+        let tl = self.timelines.entry(room_id.to_owned()).or_default();
+        let mut stored = Vec::new();
+        for (thread, line) in older {
+            if tl.len() >= TIMELINE_CAP {
+                break;
+            }
+            tl.push_front((thread.clone(), line.clone()));
+            stored.push(TimelineLine {
+                room_id: room_id.to_owned(),
+                thread,
+                line,
+            });
+        }
+        stored.reverse();
+        tracing::debug!(persona = %self.persona.id, room = %room_id, lines = stored.len(), "context read with /messages");
+        stored
     }
 
     /// A thread message's context starts with its root. When the root is older than the

@@ -477,6 +477,9 @@ impl Inbox {
         for (room, added) in per_room {
             let mut kept = self.timeline(persona, room)?;
             kept.extend(added.into_iter().cloned());
+            // Lines read later for context (`/messages`) are older than those stored: keep the
+            // record in time order (stable, so equal times keep their arrival order).
+            kept.sort_by_key(|l| l.line.ts);
             let excess = kept.len().saturating_sub(TIMELINE_CAP);
             kept.drain(..excess);
             ops.insert(room_key(persona, room), encode(&kept));

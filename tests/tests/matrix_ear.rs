@@ -457,3 +457,47 @@ async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
         .is_none_or(|r| r.state() != matrix_sdk::RoomState::Joined));
     gw.stop().await;
 }
+
+/// A cold start: her first sync seeds fewer lines than a delivery's context needs
+/// (`fetch_limit` 5), so the room's history is read once with `/messages`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_room_reads_its_history_for_context() {
+    let scene = Scene::new("ear-cold", Limits::Relaxed).await;
+    let den = public_room(&scene.ann, "den").await;
+    for i in 0..30 {
+        den.send(text(&format!("old {i}"))).await.unwrap();
+    }
+    let mut p = persona(&scene.url, "vera", &["#den:localhost"], &[]);
+    p.limits.fetch_limit = 5;
+    let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
+    let seeded = gw.inbox.timeline("vera", den.room_id().as_str()).unwrap();
+    assert!(
+        seeded.len() < 20,
+        "the first sync seeded {} lines",
+        seeded.len()
+    );
+    den.send(text("the question")).await.unwrap();
+    gw.until_pending(1, Duration::from_secs(20)).await;
+    let d = gw
+        .inbox
+        .pending("vera", 0, 1, None)
+        .unwrap()
+        .deliveries
+        .remove(0);
+    assert_eq!(d.text, "the question");
+    let want: Vec<String> = (10..30).map(|i| format!("old {i}")).collect();
+    assert_eq!(
+        d.context.iter().map(|c| c.text.clone()).collect::<Vec<_>>(),
+        want
+    );
+    // The lines read are stored in time order for the next delivery and for restarts.
+    let stored = gw.inbox.timeline("vera", den.room_id().as_str()).unwrap();
+    let texts: Vec<&str> = stored.iter().map(|l| l.line.text.as_str()).collect();
+    assert_eq!(texts.last(), Some(&"the question"));
+    assert!(
+        texts.windows(2).all(|w| w[0] != w[1]),
+        "no line twice: {texts:?}"
+    );
+    let pos = |t: &str| texts.iter().position(|x| *x == t);
+    assert!(pos("old 10") < pos("old 29"), "{texts:?}");
+}
