@@ -15,8 +15,9 @@
 //!   batch carries a correction note. A prompt-too-long or blocking-limit refusal starts a
 //!   fresh session (generation + 1) and retries the batch there.
 //! - The refresh policy (`session::policy::decide`) runs before each turn and on the timer it
-//!   asks for while idle: a fresh start (compaction is carried out as a fresh start too) gives
-//!   the new session the last lines of her rooms; keep-warm refreshes the cache with a forked,
+//!   asks for while idle: a compaction runs the CLI's `/compact` (falling back to a fresh
+//!   start when it does not compact); a fresh start gives the new session the last lines of her
+//!   rooms; keep-warm refreshes the cache with a forked,
 //!   unpersisted request; an idle process is evicted (its session stays resumable).
 //! - Each turn's telemetry is written to `STATE/personas/ID/status.json` (last 50 turns).
 
@@ -108,6 +109,9 @@ struct StatusFile {
     session_id: Option<String>,
     generation: u64,
     turns_total: u64,
+    /// Compactions carried out (by `/compact`).
+    #[serde(default)]
+    compactions: u64,
     turns: VecDeque<TurnRecord>,
 }
 
@@ -178,6 +182,7 @@ impl TurnLoop {
             session_id: inbox.session_value(&persona.id, "session_id")?,
             generation,
             turns_total: earlier.turns_total,
+            compactions: earlier.compactions,
             turns: earlier.turns,
         };
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
@@ -402,6 +407,38 @@ impl TurnLoop {
         Ok(())
     }
 
+    /// Compacts her conversation with the CLI's `/compact`; when the CLI does not compact
+    /// (an error, no boundary), starts fresh instead. Context lines are sent again afterwards:
+    /// the summary need not keep them.
+    async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
+        let done = match self.ensure_cli().await {
+            Ok(cli) => cli.compact().await,
+            Err(e) => Err(e),
+        };
+        match done {
+            Ok(Turn {
+                compacted: Some(m),
+                result,
+                ..
+            }) if !result.is_error => {
+                tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
+                self.seen.clear();
+                self.telemetry.after_compact(m.post_tokens, Instant::now());
+                self.status.compactions += 1;
+            }
+            Ok(t) => {
+                tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
+                self.fresh_start(why)?;
+            }
+            Err(e) => {
+                tracing::warn!(persona = %self.persona.id, why, error = %e, "compaction failed; starting fresh instead");
+                self.cli = None;
+                self.fresh_start(why)?;
+            }
+        }
+        Ok(())
+    }
+
     async fn run_cli(&mut self, text: &str) -> Result<Turn, TurnError> {
         let mut last = None;
         for attempt in 1..=ATTEMPTS {
@@ -463,8 +500,10 @@ impl TurnLoop {
             policy::decide(&self.telemetry, started, &self.policy)
         };
         tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
-        if let Decision::FreshStart(r) | Decision::Compact(r) = decision {
-            self.fresh_start(&format!("{r:?}"))?;
+        match decision {
+            Decision::FreshStart(r) => self.fresh_start(&format!("{r:?}"))?,
+            Decision::Compact(r) => self.compact(&format!("{r:?}")).await?,
+            _ => {}
         }
         let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
         // A session after an earlier one (not her very first) is given the recent lines.

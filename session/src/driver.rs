@@ -112,6 +112,8 @@ pub struct Turn {
     pub retries: u32,
     /// The conversation was reset (a slash command ran): must never happen.
     pub reset: bool,
+    /// The conversation was compacted during the turn: what the boundary reported.
+    pub compacted: Option<proto::CompactMetadata>,
 }
 
 /// The command line and environment every CLI run shares (see the module docs).
@@ -297,6 +299,14 @@ impl Cli {
         }
     }
 
+    /// Compacts the conversation with the CLI's own `/compact` (one summary request); the
+    /// session id stays. This is the one user message the gateway ever starts with `/`: chat
+    /// text always follows the batch header. Returns the turn; `compacted` is `None` when the
+    /// CLI did not compact (then the caller starts fresh instead).
+    pub async fn compact(&mut self) -> Result<Turn, DriverError> {
+        self.turn("/compact").await
+    }
+
     /// Closes stdin, waits up to `grace` for a clean exit, then kills.
     pub async fn shutdown(mut self, grace: Duration) {
         drop(self.stdin);
@@ -311,6 +321,7 @@ impl Cli {
     async fn until_result(&mut self) -> Result<Turn, DriverError> {
         let mut retries = 0;
         let mut reset = false;
+        let mut compacted = None;
         loop {
             match self.next_event().await? {
                 Event::Result(r) => {
@@ -321,11 +332,15 @@ impl Cli {
                         result: r,
                         retries,
                         reset,
+                        compacted,
                     });
                 }
                 Event::System(s) => {
                     if s.subtype == "api_retry" {
                         retries += 1;
+                    }
+                    if s.subtype == "compact_boundary" {
+                        compacted = Some(s.compact_metadata.unwrap_or_default());
                     }
                     if let Some(id) = s.session_id {
                         self.session_id = Some(id);

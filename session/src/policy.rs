@@ -162,6 +162,15 @@ impl Telemetry {
         self.excess_read_cost = 0.0;
     }
 
+    /// After a compaction: the conversation is now `post_tokens` long (summary and what was
+    /// kept), freshly read, and the read cost above the rehydration starts again from zero.
+    pub fn after_compact(&mut self, post_tokens: u64, now: Instant) {
+        self.prefix_tokens = post_tokens;
+        self.excess_read_cost = 0.0;
+        self.last_outcome = Outcome::Ok;
+        self.last_cache_touch = Some(now);
+    }
+
     /// Books a keep-warm refresh that cost `dollars`.
     pub fn after_keep_warm(&mut self, dollars: f64, now: Instant) {
         self.keep_warm_cost += dollars;

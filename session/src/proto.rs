@@ -50,6 +50,23 @@ pub struct SystemEvent {
     /// `api_retry`: the HTTP status that failed.
     #[serde(default)]
     pub error_status: Option<u16>,
+    /// `compact_boundary`: trigger (`manual`, `auto`) and sizes before and after.
+    #[serde(default)]
+    pub compact_metadata: Option<CompactMetadata>,
+}
+
+/// What a `compact_boundary` event reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct CompactMetadata {
+    /// `manual` (a `/compact`) or `auto`.
+    #[serde(default)]
+    pub trigger: String,
+    /// Tokens before.
+    #[serde(default)]
+    pub pre_tokens: u64,
+    /// Tokens after (the summary and what was kept).
+    #[serde(default)]
+    pub post_tokens: u64,
 }
 
 /// `type: assistant` / `type: user`.
@@ -277,6 +294,21 @@ mod tests {
         assert!(events("slash_clear.stdout.jsonl")
             .iter()
             .any(|e| matches!(e, Event::ConversationReset(_))));
+        let boundary = events("slash_compact.stdout.jsonl")
+            .into_iter()
+            .find_map(|e| match e {
+                Event::System(s) if s.subtype == "compact_boundary" => s.compact_metadata,
+                _ => None,
+            })
+            .expect("a compact boundary");
+        assert_eq!(
+            (
+                boundary.trigger.as_str(),
+                boundary.pre_tokens,
+                boundary.post_tokens
+            ),
+            ("manual", 480, 514)
+        );
         assert!(events("ctrlinit.stdout.jsonl")
             .iter()
             .any(|e| matches!(e, Event::ControlResponse(_))));

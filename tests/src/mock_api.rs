@@ -17,7 +17,11 @@
 //! - **Virtual time**: [`MockApi::advance`] moves its clock, so hours of idle replay in seconds.
 //!
 //! Replies: the `StructuredOutput` tool is answered with the next scripted input
-//! ([`MockApi::script`]) or `{"say": []}`; without tools, a short text.
+//! ([`MockApi::script`]) or `{"say": []}`; without tools, a short text; a compaction's summary
+//! request ("Respond with TEXT ONLY"), with or without tools, [`SUMMARY`] in `<summary>` tags.
+
+/// The mock's answer to a compaction's summary request (inside `<summary>` tags).
+pub const SUMMARY: &str = "Earlier: chat in her rooms, answered; nothing is pending.";
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -322,9 +326,13 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
     }
     let mut usage = cache(st, &blocks);
     // The reply.
-    let structured = req["tools"]
-        .as_array()
-        .is_some_and(|t| t.iter().any(|t| t["name"] == "StructuredOutput"));
+    // A compaction's summary request says to answer in text only, and a model does, whatever
+    // tools the request carries (the CLI keeps them, for the cache's sake).
+    let summary = last_user_text.contains("Respond with TEXT ONLY");
+    let structured = !summary
+        && req["tools"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|t| t["name"] == "StructuredOutput"));
     let model = req["model"].as_str().unwrap_or("mock").to_owned();
     let mut events = Vec::new();
     let (block_start, delta, stop, out_text) = if structured {
@@ -337,7 +345,11 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
             text,
         )
     } else {
-        let text = "ok".to_owned();
+        let text = if summary {
+            format!("<summary>{SUMMARY}</summary>")
+        } else {
+            "ok".to_owned()
+        };
         (
             json!({"type": "text", "text": ""}),
             json!({"type": "text_delta", "text": text}),

@@ -328,3 +328,50 @@ async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
     assert!(!next.result.is_error, "{:?}", next.result);
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+/// The gateway's compaction: the CLI's own `/compact` (one summary request), the same session
+/// id afterwards, and a shorter conversation for the next turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_summarises_and_the_session_goes_on_shorter() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("compact");
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    let long = "a long line of chat that fills the conversation ".repeat(200);
+    for seq in 1..=4 {
+        let t = cli
+            .turn(&render(&[delivery(seq, &long)], &mut seen, None))
+            .await
+            .unwrap();
+        assert!(!t.result.is_error);
+        assert!(t.compacted.is_none(), "compacted by itself");
+    }
+    let session = cli.session_id().map(str::to_owned);
+    let before = mock.ledger().last().unwrap().prompt_tokens;
+    let requests = mock.ledger().len();
+    let c = cli.compact().await.unwrap();
+    let m = c.compacted.expect("a compact boundary");
+    assert_eq!(m.trigger, "manual");
+    assert!(m.post_tokens < m.pre_tokens, "{m:?}");
+    assert!(!c.reset && !c.result.is_error, "{:?}", c.result);
+    assert_eq!(mock.ledger().len(), requests + 1, "one summary request");
+    assert_eq!(cli.session_id().map(str::to_owned), session);
+    let after = cli
+        .turn(&render(
+            &[delivery(5, "after the summary")],
+            &mut seen,
+            None,
+        ))
+        .await
+        .unwrap();
+    assert!(!after.result.is_error);
+    let next = mock.ledger().last().unwrap().clone();
+    assert!(
+        next.prompt_tokens < before,
+        "the conversation did not shrink: {} -> {}",
+        before,
+        next.prompt_tokens
+    );
+    assert!(next.last_user_text.contains("after the summary"));
+    cli.shutdown(Duration::from_secs(5)).await;
+}

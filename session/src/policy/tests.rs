@@ -57,6 +57,28 @@ fn refused_turns_shrink_by_the_cheaper_way() {
 }
 
 #[test]
+fn after_a_compaction_the_session_continues_from_its_new_size() {
+    let now = Instant::now();
+    let mut t = base(now);
+    t.last_outcome = Outcome::PromptTooLong;
+    t.prefix_tokens = 170_000;
+    t.rehydration_tokens = 120_000;
+    t.excess_read_cost = 5.0;
+    t.last_cache_touch = Some(now - Duration::from_secs(3000));
+    assert_eq!(
+        decide(&t, now, &cfg()),
+        Decision::Compact(Reason::PromptTooLong)
+    );
+    t.after_compact(27_000, now);
+    assert_eq!(
+        (t.prefix_tokens, t.last_outcome, t.excess_read_cost),
+        (27_000, Outcome::Ok, 0.0)
+    );
+    assert!(warm(&t, &cfg(), now));
+    assert_eq!(decide(&t, now, &cfg()), Decision::Continue);
+}
+
+#[test]
 fn watermark_boundary() {
     let now = Instant::now();
     let c = cfg();
