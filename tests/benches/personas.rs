@@ -21,7 +21,10 @@ fn rss_kib(pid: u32) -> u64 {
 fn config(dir: &std::path::Path, hs: &str, tokens: &[String]) -> std::path::PathBuf {
     let state = dir.join(format!("state-{}", tokens.len()));
     let _ = std::fs::remove_dir_all(&state);
-    let mut text = format!("state_dir = \"{}\"\n", state.display());
+    let mut text = format!(
+        "state_dir = \"{}\"\n[cultnet]\nbind = \"127.0.0.1:0\"\n",
+        state.display()
+    );
     for (i, t) in tokens.iter().enumerate() {
         let file = dir.join(format!("p{i}.token"));
         write_private(&file, t);

@@ -213,10 +213,16 @@ pub fn gateway_bin() -> PathBuf {
     if let Some(bin) = find().filter(|b| fresh(b)) {
         return bin;
     }
+    // Benchmarks run from target/release: build with their profile (`bench`, which writes
+    // there too and shares their dependencies' builds).
     let release = exe.ancestors().any(|d| d.ends_with("release"));
     let ok = std::process::Command::new(env!("CARGO"))
         .args(["build", "-p", "gateway", "--bin", "cultnet-gateway"])
-        .args(release.then_some("--release"))
+        .args(if release {
+            &["--profile", "bench"][..]
+        } else {
+            &[][..]
+        })
         .status()
         .expect("cargo build")
         .success();

@@ -546,3 +546,91 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     assert_eq!(page["pendingCount"], 0);
     assert!(gw.stop().success());
 }
+
+/// Her session is live but slow to start a turn by itself (a long debounce): a CultNet turn
+/// request starts it at once, and her answer arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cultnet_turn_request_starts_her_turn_at_once() {
+    use ed25519_dalek::SigningKey;
+    use gateway::client::Client;
+    use wire::docs::{ids, PendingPage, PendingRequest, Status, TurnReceipt, TurnRequest};
+
+    let scene = Scene::new("run-turn", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "tr-lobby").await;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 200, "");
+    let session = session
+        .replace("debounce_ms = 200", "debounce_ms = 600000")
+        .replace("max_wait_ms = 1000", "max_wait_ms = 600000");
+    let heart = SigningKey::from_bytes(&[9; 32]);
+    let public: String = heart
+        .verifying_key()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#tr-lobby:localhost"],
+        &[],
+        &format!("{session}\n[[cultnet.client]]\nagent_id = \"heartbeat\"\npublic_key = \"{public}\"\npersonas = [\"*\"]\nverbs = [\"pending\", \"turn\"]\n"),
+    );
+    let gw = GatewayProcess::start(&config);
+    let mut c = Client::connect(
+        gw.cultnet_addr(),
+        "heartbeat",
+        &heart,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    lobby
+        .send(RoomMessageEventContent::text_plain("anyone awake?"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let page: PendingPage = c
+            .request(
+                ids::PENDING_REQUEST,
+                &format!("p{n}"),
+                &PendingRequest {
+                    persona: "vera".into(),
+                    ..PendingRequest::default()
+                },
+            )
+            .await
+            .unwrap();
+        if page.pending_count > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no mail; log:\n{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The mail waits: the debounce is ten minutes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(mock.ledger().is_empty(), "a turn ran by itself");
+    let room = lobby.room_id().to_string();
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "awake now"}]}));
+    let r: TurnReceipt = c
+        .request(
+            ids::TURN_REQUEST,
+            "t1",
+            &TurnRequest {
+                persona: "vera".into(),
+                reason: Some("heartbeat".into()),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let got = wait_for_reply(ann, &lobby, "awake now", Duration::from_secs(60)).await;
+    assert_eq!(got, ["awake now"], "log:\n{}", gw.log());
+    c.close().await;
+    assert!(gw.stop().success());
+}
