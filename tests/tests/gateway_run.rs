@@ -16,6 +16,15 @@ use tests::matrix::{
 use tests::mock_api::{Fault, MockApi, MockConfig};
 use tests::synapse::Limits;
 
+/// A client's public key as the config wants it (64 hex digits).
+fn public_hex(key: &ed25519_dalek::SigningKey) -> String {
+    key.verifying_key()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Bodies vera sent in `room`, as `reader` sees them.
 async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
     sync(reader).await;
@@ -393,12 +402,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
     let lobby = public_room(ann, "cn-lobby").await;
     let organ = SigningKey::from_bytes(&[7; 32]);
-    let public: String = organ
-        .verifying_key()
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let public = public_hex(&organ);
     // An operator's tool key, made the way the README says: `cultnet-gateway keygen`.
     let tool_key = dir.join("tool.key");
     let keygen = std::process::Command::new(tests::matrix::gateway_bin())
@@ -564,12 +568,7 @@ async fn a_cultnet_turn_request_starts_her_turn_at_once() {
         .replace("debounce_ms = 200", "debounce_ms = 600000")
         .replace("max_wait_ms = 1000", "max_wait_ms = 600000");
     let heart = SigningKey::from_bytes(&[9; 32]);
-    let public: String = heart
-        .verifying_key()
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let public = public_hex(&heart);
     let config = write_config(
         &dir,
         &url,
