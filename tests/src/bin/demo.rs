@@ -4,7 +4,8 @@
 //! and an operator (`@ann:localhost`), starts the mock Messages API (these machines cannot
 //! reach the real one), writes a config with Vera's session live, and runs
 //! `cultnet-gateway run`. The operator opens an encrypted DM, Vera joins it, the operator
-//! writes, and Vera's live claude session answers in the encrypted room. Everything lives
+//! writes, and Vera's live claude session answers in the encrypted room; then her heartbeat, a
+//! CultNet client with a pinned key, reads the gateway's status over RUDP. Everything lives
 //! under `target/demo/` and is stopped on exit; `--stay` keeps it running until Ctrl-C.
 
 use std::time::{Duration, Instant};
@@ -49,6 +50,17 @@ async fn main() {
         prompt.display(),
         mock.url(),
         key.display()
+    );
+    // A CultNet client (her heartbeat), let in by its pinned key.
+    let heartbeat = ed25519_dalek::SigningKey::from_bytes(&[0x5e; 32]);
+    let public: String = heartbeat
+        .verifying_key()
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let session = format!(
+        "{session}\n[[cultnet.client]]\nagent_id = \"heartbeat\"\npublic_key = \"{public}\"\npersonas = [\"vera\"]\nverbs = [\"status\", \"turn\"]\n"
     );
     let token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
     let config = write_config(&dir, &url, &token, &[], &["@ann:localhost"], &session);
@@ -95,6 +107,30 @@ async fn main() {
     let status =
         std::fs::read_to_string(dir.join("state/personas/vera/status.json")).unwrap_or_default();
     println!("5. her session's status (state/personas/vera/status.json):\n{status}");
+    let addr = gw.cultnet_addr();
+    println!("6. her heartbeat asks the gateway's status over CultNet ({addr}) ...");
+    match gateway::client::Client::connect(addr, "heartbeat", &heartbeat, Duration::from_secs(10))
+        .await
+    {
+        Ok(mut c) => {
+            let status: Result<wire::docs::GatewayStatus, _> = c
+                .request(
+                    wire::docs::ids::STATUS_REQUEST,
+                    "demo-status",
+                    &wire::docs::StatusRequest::default(),
+                )
+                .await;
+            match status {
+                Ok(s) => println!(
+                    "   {}",
+                    serde_json::to_string_pretty(&s.personas).unwrap_or_default()
+                ),
+                Err(e) => eprintln!("   status request failed: {e}"),
+            }
+            c.close().await;
+        }
+        Err(e) => eprintln!("   CultNet connect failed: {e}"),
+    }
     if stay {
         println!(
             "running; Ctrl-C stops (homeserver {url}, config {})",

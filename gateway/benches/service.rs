@@ -1,0 +1,179 @@
+//! The CultNet service as a client sees it: request -> receipt round trips over real loopback
+//! UDP to an in-process gateway service (endpoint, service loop, sled inbox), one client, one
+//! request at a time. `cargo bench -p gateway --bench service`; `REQUESTS=N` (default 2000).
+//!
+//! Prints p50 / p99 and requests/s for: a pending page of 10 deliveries (~7 KB, fragmented),
+//! an ack of one delivery (a flushed sled write), and a status request.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use gateway::client::Client;
+use gateway::config::{Client as ClientConfig, Verb};
+use gateway::endpoint::{spawn, EndpointConfig};
+use gateway::inbox::Inbox;
+use gateway::service::{serve, Port, Service};
+use wire::docs::{
+    ids, AckReceipt, AckRequest, ContextLine, Delivery, GatewayStatus, PendingPage, PendingRequest,
+    StatusRequest,
+};
+use wire::session::GATEWAY_CONNECTION_ID;
+
+fn report(what: &str, mut lat: Vec<Duration>, total: Duration) {
+    lat.sort();
+    let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)].as_secs_f64() * 1e6;
+    println!(
+        "{what}: p50 {:.0} us, p99 {:.0} us, {:.0} requests/s ({} requests)",
+        pct(50),
+        pct(99),
+        lat.len() as f64 / total.as_secs_f64(),
+        lat.len()
+    );
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let n: u64 = std::env::var("REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let dir = std::env::temp_dir().join(format!("cultnet-service-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let inbox = Inbox::open(&dir).expect("inbox");
+    let context: Vec<ContextLine> = (0..5)
+        .map(|i| ContextLine {
+            event_id: format!("$ctx{i}"),
+            sender: "@bo:localhost".into(),
+            sender_name: None,
+            ts: i,
+            text: "an earlier line of the room, about as long as chat usually is".into(),
+        })
+        .collect();
+    for r in 0..(n + 10).div_ceil(100) {
+        let batch: Vec<Delivery> = (0..100)
+            .map(|i| Delivery {
+                event_id: format!("$ev{r}-{i}"),
+                room_id: "!lobby:localhost".into(),
+                sender: "@ada:localhost".into(),
+                text: "x".repeat(200),
+                context: context.clone(),
+                ..Delivery::default()
+            })
+            .collect();
+        inbox
+            .ingest("mira", &format!("s{r}"), &batch)
+            .expect("ingest");
+    }
+    let key = SigningKey::from_bytes(&[3; 32]);
+    let clients = [ClientConfig {
+        agent_id: "organ".into(),
+        public_key: key
+            .verifying_key()
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+        personas: vec!["mira".into()],
+        verbs: Verb::ALL.to_vec(),
+    }];
+    let mut ports = BTreeMap::new();
+    ports.insert(
+        "mira".to_owned(),
+        Port {
+            user_id: "@mira:localhost".into(),
+            max_pending: 1_000_000,
+            mouth: None,
+            turn_requests: None,
+            signals: Arc::default(),
+            ear: None,
+            failed: None,
+        },
+    );
+    rt.block_on(async {
+        let service = Service::new(
+            "bench",
+            GATEWAY_CONNECTION_ID,
+            120,
+            inbox.clone(),
+            &clients,
+            ports,
+        );
+        let (endpoint, events, _) =
+            spawn(EndpointConfig::new("127.0.0.1:0".parse().expect("addr"), 1))
+                .await
+                .expect("endpoint");
+        let addr = endpoint.local_addr();
+        let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+        tokio::spawn(serve(service, endpoint, events, stop));
+        let mut c = Client::connect(addr, "organ", &key, Duration::from_secs(10))
+            .await
+            .expect("connect");
+
+        let (mut lat, start) = (Vec::new(), Instant::now());
+        for i in 0..n {
+            let t = Instant::now();
+            let page: PendingPage = c
+                .request(
+                    ids::PENDING_REQUEST,
+                    &format!("p{i}"),
+                    &PendingRequest {
+                        persona: "mira".into(),
+                        after_seq: i,
+                        limit: Some(10),
+                        reply_bytes: None,
+                    },
+                )
+                .await
+                .expect("pending");
+            lat.push(t.elapsed());
+            assert_eq!(page.deliveries.len(), 10);
+        }
+        report("pending page of 10 (~7 KB)", lat, start.elapsed());
+
+        let (mut lat, start) = (Vec::new(), Instant::now());
+        for i in 1..=n {
+            let t = Instant::now();
+            let r: AckReceipt = c
+                .request(
+                    ids::ACK_REQUEST,
+                    &format!("a{i}"),
+                    &AckRequest {
+                        persona: "mira".into(),
+                        through_seq: i,
+                    },
+                )
+                .await
+                .expect("ack");
+            lat.push(t.elapsed());
+            assert_eq!(r.through_seq, i);
+        }
+        report("ack of one delivery (flushed)", lat, start.elapsed());
+
+        let (mut lat, start) = (Vec::new(), Instant::now());
+        for i in 0..n {
+            let t = Instant::now();
+            let s: GatewayStatus = c
+                .request(
+                    ids::STATUS_REQUEST,
+                    &format!("s{i}"),
+                    &StatusRequest::default(),
+                )
+                .await
+                .expect("status");
+            lat.push(t.elapsed());
+            assert_eq!(s.personas.len(), 1);
+        }
+        report("status", lat, start.elapsed());
+        c.close().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
