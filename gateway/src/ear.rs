@@ -409,7 +409,8 @@ impl Ear {
         &self,
         deliveries: impl Iterator<Item = &'d mut wire::docs::Delivery>,
     ) {
-        let mut fetched: HashMap<String, Option<wire::docs::ContextLine>> = HashMap::new();
+        let limits = &self.persona.limits;
+        let mut fetched: HashMap<String, Timeline> = HashMap::new();
         for d in deliveries {
             let Some(root) = d.thread_root.clone() else {
                 continue;
@@ -417,20 +418,98 @@ impl Ear {
             if d.context.iter().any(|c| c.event_id == root) {
                 continue;
             }
+            // The thread began before the stored timeline: read it from the homeserver.
             if !fetched.contains_key(&root) {
-                let line = self.fetch_line(&d.room_id, &root).await;
-                if line.is_none() {
-                    tracing::warn!(persona = %self.persona.id, room = %d.room_id, root = %root, "thread root not fetched; context without it");
-                }
-                fetched.insert(root.clone(), line);
+                let lines = self.fetch_thread(&d.room_id, &root).await;
+                fetched.insert(root.clone(), lines);
             }
-            if let Some(Some(line)) = fetched.get(&root) {
-                d.context.insert(0, line.clone());
-                if d.context.len() > self.persona.limits.context_lines {
-                    d.context.remove(1);
+            let Some(thread) = fetched.get(&root) else {
+                continue;
+            };
+            let mut merged: Vec<(Option<String>, wire::docs::ContextLine)> = thread
+                .iter()
+                .filter(|(_, l)| l.event_id != d.event_id && l.ts <= d.ts)
+                .cloned()
+                .collect();
+            for c in &d.context {
+                if !merged.iter().any(|(_, l)| l.event_id == c.event_id) {
+                    merged.push((Some(root.clone()), c.clone()));
                 }
+            }
+            merged.sort_by_key(|(_, l)| l.ts);
+            merged.push((
+                Some(root.clone()),
+                wire::docs::ContextLine {
+                    event_id: d.event_id.clone(),
+                    ..Default::default()
+                },
+            ));
+            let mut context = event::context_for(
+                merged.iter(),
+                &d.event_id,
+                Some(&root),
+                limits.context_lines,
+                limits.context_bytes,
+            );
+            // The root leads a thread's context even when the cap would cut it.
+            if let Some((_, line)) = thread.iter().find(|(_, l)| l.event_id == root) {
+                if !context.iter().any(|c| c.event_id == root) {
+                    context.insert(0, line.clone());
+                    if context.len() > limits.context_lines {
+                        context.remove(1);
+                    }
+                }
+            }
+            d.context = context;
+        }
+    }
+
+    /// A thread older than the stored timeline: its root (`/event`) and its latest replies
+    /// (`/relations`, `m.thread`), oldest first. What fails to arrive is left out, with a
+    /// warning; the delivery never fails for it.
+    async fn fetch_thread(&self, room_id: &str, root: &str) -> Timeline {
+        let mut out = Timeline::new();
+        match self.fetch_line(room_id, root).await {
+            Some(line) => out.push_back((None, line)),
+            None => {
+                tracing::warn!(persona = %self.persona.id, room = %room_id, root = %root, "thread root not fetched; context without it");
             }
         }
+        let ids = (
+            matrix_sdk::ruma::OwnedRoomId::try_from(room_id).ok(),
+            matrix_sdk::ruma::OwnedEventId::try_from(root).ok(),
+        );
+        let (Some(room_id), Some(root_id)) = ids else {
+            return out;
+        };
+        let Some(room) = self.client.get_room(&room_id) else {
+            return out;
+        };
+        let opts = matrix_sdk::room::RelationsOptions {
+            include_relations: matrix_sdk::room::IncludeRelations::RelationsOfType(
+                matrix_sdk::ruma::events::relation::RelationType::Thread,
+            ),
+            limit: UInt::new(self.persona.limits.context_lines as u64),
+            ..Default::default()
+        };
+        match room.relations(root_id, opts).await {
+            Ok(rel) => {
+                // Newest first as they come.
+                for ev in rel.chunk.into_iter().rev() {
+                    let Ok(v) = serde_json::from_str::<Value>(ev.raw().json().get()) else {
+                        continue;
+                    };
+                    let name = self.sender_name(&room, &v).await;
+                    if let Some(line) = event::context_line(&v, name) {
+                        out.push_back((event::thread_of(&v).map(str::to_owned), line));
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(persona = %self.persona.id, room = %room_id, root = %root, "thread replies not fetched: {e}");
+            }
+        }
+        out
     }
 
     async fn fetch_line(&self, room_id: &str, event_id: &str) -> Option<wire::docs::ContextLine> {

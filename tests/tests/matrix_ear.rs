@@ -404,24 +404,29 @@ async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
         .unwrap()
         .response
         .event_id;
+    let in_thread = |body: &str| {
+        serde_json::json!({"msgtype": "m.text", "body": body,
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                             "m.in_reply_to": {"event_id": root}}})
+    };
+    for i in 0..2 {
+        hall.send_raw("m.room.message", in_thread(&format!("early reply {i}")))
+            .await
+            .unwrap();
+    }
     for i in 0..gateway::inbox::TIMELINE_CAP + 6 {
         hall.send(text(&format!("filler {i}"))).await.unwrap();
     }
     gw.until_pending(
-        gateway::inbox::TIMELINE_CAP as u64 + 7,
+        gateway::inbox::TIMELINE_CAP as u64 + 9,
         Duration::from_secs(30),
     )
     .await;
     let n = gw.inbox.counts("vera").unwrap().highest;
     gw.inbox.ack("vera", n).unwrap();
-    hall.send_raw(
-        "m.room.message",
-        serde_json::json!({"msgtype": "m.text", "body": "late in the thread",
-            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
-                             "m.in_reply_to": {"event_id": root}}}),
-    )
-    .await
-    .unwrap();
+    hall.send_raw("m.room.message", in_thread("late in the thread"))
+        .await
+        .unwrap();
     gw.until_pending(1, Duration::from_secs(20)).await;
     let d = gw
         .inbox
@@ -435,8 +440,8 @@ async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
             .iter()
             .map(|c| c.text.as_str())
             .collect::<Vec<_>>(),
-        ["the root of it all"],
-        "the root was trimmed from the stored timeline and must be fetched"
+        ["the root of it all", "early reply 0", "early reply 1"],
+        "the thread was trimmed from the stored timeline and must be fetched"
     );
 
     // A DM invite from someone who is not her operator is ignored (she has none here).
