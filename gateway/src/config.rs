@@ -131,6 +131,9 @@ pub struct SessionConfig {
     pub turn_timeout_secs: u64,
     /// Deliveries per batch at most.
     pub max_batch: usize,
+    /// The model's context window in tokens: the refresh policy compacts or starts fresh well
+    /// before the CLI's own limit (window - 23k).
+    pub context_window: u64,
 }
 
 impl Default for SessionConfig {
@@ -148,6 +151,7 @@ impl Default for SessionConfig {
             max_wait_ms: 15_000,
             turn_timeout_secs: 300,
             max_batch: 20,
+            context_window: 200_000,
         }
     }
 }
@@ -448,6 +452,13 @@ impl Config {
                     who,
                     "session.cache_ttl",
                     format!("{:?} is neither \"5m\" nor \"1h\"", sc.cache_ttl),
+                ));
+            }
+            if sc.context_window < 50_000 {
+                return Err(err(
+                    who,
+                    "session.context_window",
+                    "must be at least 50000 tokens (the CLI keeps 23k of it for itself)",
                 ));
             }
             for (k, v) in [

@@ -188,7 +188,10 @@ impl TurnLoop {
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         Ok(Self {
             telemetry: Telemetry::default(),
-            policy: PolicyConfig::for_ttl(base.cache_ttl),
+            policy: PolicyConfig {
+                context_window: persona.session.context_window,
+                ..PolicyConfig::for_ttl(base.cache_ttl)
+            },
             prices: Prices::default(),
             prompt_tokens,
             fired: None,
