@@ -7,10 +7,12 @@
 //! - [`matrix`]: Matrix users for tests (logins with chosen devices, an operator client that
 //!   speaks encrypted) and an in-process gateway for one Persona.
 //! - [`workload`]: the seeded reference workload of the session benchmark.
+//! - [`fault_proxy`]: an HTTP proxy in front of Synapse that answers `/sync` with 429 on demand.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod claude_cli;
+pub mod fault_proxy;
 pub mod matrix;
 pub mod mock_api;
 pub mod synapse;

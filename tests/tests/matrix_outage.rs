@@ -176,3 +176,56 @@ async fn a_homeserver_outage_of_20_s_loses_nothing() {
     let _ = stop.send(true);
     ear.await.unwrap();
 }
+
+/// Synapse does not rate-limit `/sync`; a proxy in front of it answers syncs with 429. The ear
+/// waits as asked, by `retry_after_ms` in the body (twice 1.5 s) and by the `Retry-After`
+/// header (twice 2 s), counts them, and delivers each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_on_sync_is_waited_out_as_asked() {
+    use tests::fault_proxy::{FaultProxy, Hint};
+    let scene = Scene::new("sync429", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let room = hall(ann).await;
+    let proxy = FaultProxy::start(&url).await;
+    let p = persona(&proxy.url(), "vera", &["#hall:localhost"], &[]);
+    let gw = Gateway::start(&p, &scene.vera_token, &dir.join("gw")).await;
+    let (inbox, stats) = (gw.inbox.clone(), gw.stats.clone());
+    let (stop, stopped) = watch::channel(false);
+    let ear = tokio::spawn(gw.ear.run(stopped));
+    for (i, hint) in [Hint::Body(Duration::from_millis(1500)), Hint::Header(2)]
+        .into_iter()
+        .enumerate()
+    {
+        // The ear's current long poll already went through: the message that ends it comes
+        // at once, and the syncs after it are answered with 429.
+        proxy.rate_limit_syncs(2, hint);
+        room.send(RoomMessageEventContent::text_plain(format!("wake {i}")))
+            .await
+            .unwrap();
+        let n = 2 * i as u64 + 1;
+        assert_eq!(wait_pending(&inbox, n, Duration::from_secs(30)).await, n);
+        room.send(RoomMessageEventContent::text_plain(format!("limited {i}")))
+            .await
+            .unwrap();
+        assert_eq!(
+            wait_pending(&inbox, n + 1, Duration::from_secs(30)).await,
+            n + 1
+        );
+        let delivered = Instant::now();
+        assert_eq!(proxy.answered(), 2 * (i as u32 + 1));
+        let first = proxy.first_429_at().expect("a 429 went out");
+        assert!(
+            delivered - first >= hint.wait() * 2,
+            "{hint:?}: delivered {:?} after the first 429; the requested waits were not honoured",
+            delivered - first
+        );
+    }
+    assert_eq!(stats.rate_limited.load(Ordering::Relaxed), 4);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        pending_texts(&inbox),
+        ["wake 0", "limited 0", "wake 1", "limited 1"]
+    );
+    let _ = stop.send(true);
+    ear.await.unwrap();
+}
