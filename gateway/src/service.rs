@@ -52,6 +52,9 @@ pub const MAX_PAGE: u32 = 500;
 pub const DEFAULT_REPLY_BYTES: u32 = 256 * 1024;
 /// The most encoded bytes one page may ask for.
 pub const MAX_REPLY_BYTES: u32 = 4 * 1024 * 1024;
+/// Sends waiting for the homeserver at once, at most (all clients together); beyond it a send
+/// is answered `failed` at once, to be retried.
+pub const MAX_SENDS_IN_FLIGHT: usize = 64;
 /// Connect nonces remembered at most (older ones are beyond the skew window anyway).
 const MAX_NONCES: usize = 100_000;
 
@@ -621,6 +624,7 @@ pub async fn serve(
     mut events: mpsc::Receiver<EndpointEvent>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
     loop {
         let event = tokio::select! {
             e = events.recv() => e,
@@ -646,7 +650,7 @@ pub async fn serve(
             }
             HubEvent::Frame { peer, frame } => {
                 for answer in service.handle(peer, &frame) {
-                    run_answer(&service.runtime_id, &endpoint, peer, answer).await;
+                    run_answer(&service.runtime_id, &endpoint, &sends, peer, answer).await;
                 }
             }
             HubEvent::Disconnected { peer, reason } => {
@@ -659,7 +663,13 @@ pub async fn serve(
     let _ = endpoint.shutdown().await;
 }
 
-async fn run_answer(runtime_id: &str, endpoint: &EndpointHandle, peer: SocketAddr, answer: Answer) {
+async fn run_answer(
+    runtime_id: &str,
+    endpoint: &EndpointHandle,
+    sends: &Arc<tokio::sync::Semaphore>,
+    peer: SocketAddr,
+    answer: Answer,
+) {
     match answer {
         Answer::Reply(bytes) => {
             let _ = endpoint.send(peer, CHANNEL, bytes).await;
@@ -669,10 +679,25 @@ async fn run_answer(runtime_id: &str, endpoint: &EndpointHandle, peer: SocketAdd
             request,
             mouth,
         } => {
+            let Ok(permit) = sends.clone().try_acquire_owned() else {
+                // Back-pressure instead of an unbounded pile of tasks; `failed` = retry later.
+                let receipt = SendReceipt {
+                    request_id: request.request_id,
+                    status: Status::Failed,
+                    error: Some(format!(
+                        "{MAX_SENDS_IN_FLIGHT} sends are in flight; retry later"
+                    )),
+                    ..SendReceipt::default()
+                };
+                let bytes = receipt_bytes(runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
+                let _ = endpoint.send(peer, CHANNEL, bytes).await;
+                return;
+            };
             let endpoint = endpoint.clone();
             let runtime_id = runtime_id.to_owned();
             tokio::spawn(async move {
                 let receipt = mouth.send(&request).await;
+                drop(permit);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
                 let _ = endpoint.send(peer, CHANNEL, bytes).await;
             });
