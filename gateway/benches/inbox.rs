@@ -4,10 +4,12 @@
 //! sync response to its deliveries being visible (p50, p99), homeserver excluded.
 //! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300).
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use gateway::inbox::{Inbox, SyncWrite, TimelineLine};
-use wire::docs::{ContextLine, Delivery};
+use wire::docs::ContextLine;
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
@@ -20,29 +22,10 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("cultnet-inbox-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("open");
-    // Deliveries shaped like real ones: ~200 bytes of text and 5 context lines.
-    let context: Vec<ContextLine> = (0..5)
-        .map(|i| ContextLine {
-            event_id: format!("$ctx{i}"),
-            sender: "@bo:localhost".into(),
-            sender_name: None,
-            ts: i,
-            text: "an earlier line of the room, about as long as chat usually is".into(),
-        })
-        .collect();
     let mut lat = Vec::new();
     let start = Instant::now();
     for r in 0..responses {
-        let batch: Vec<Delivery> = (0..100)
-            .map(|i| Delivery {
-                event_id: format!("$ev{r}-{i}"),
-                room_id: "!lobby:localhost".into(),
-                sender: "@ada:localhost".into(),
-                text: "x".repeat(200),
-                context: context.clone(),
-                ..Delivery::default()
-            })
-            .collect();
+        let batch = support::response(r);
         let lines: Vec<TimelineLine> = batch
             .iter()
             .map(|d| TimelineLine {

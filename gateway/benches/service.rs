@@ -5,6 +5,8 @@
 //! Prints p50 / p99 and requests/s for: a pending page of 10 deliveries (~7 KB, fragmented),
 //! an ack of one delivery (a flushed sled write), and a status request.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,8 +18,7 @@ use gateway::endpoint::{spawn, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::service::{serve, Port, Service};
 use wire::docs::{
-    ids, AckReceipt, AckRequest, ContextLine, Delivery, GatewayStatus, PendingPage, PendingRequest,
-    StatusRequest,
+    ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, StatusRequest,
 };
 use wire::session::GATEWAY_CONNECTION_ID;
 
@@ -49,26 +50,8 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("cultnet-service-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("inbox");
-    let context: Vec<ContextLine> = (0..5)
-        .map(|i| ContextLine {
-            event_id: format!("$ctx{i}"),
-            sender: "@bo:localhost".into(),
-            sender_name: None,
-            ts: i,
-            text: "an earlier line of the room, about as long as chat usually is".into(),
-        })
-        .collect();
     for r in 0..(n + 10).div_ceil(100) {
-        let batch: Vec<Delivery> = (0..100)
-            .map(|i| Delivery {
-                event_id: format!("$ev{r}-{i}"),
-                room_id: "!lobby:localhost".into(),
-                sender: "@ada:localhost".into(),
-                text: "x".repeat(200),
-                context: context.clone(),
-                ..Delivery::default()
-            })
-            .collect();
+        let batch = support::response(r);
         inbox
             .ingest("mira", &format!("s{r}"), &batch)
             .expect("ingest");

@@ -1,0 +1,27 @@
+//! What the gateway's benchmarks share: deliveries shaped like real ones.
+
+use wire::docs::{ContextLine, Delivery};
+
+/// Sync response `r` of 100 deliveries: ~200 bytes of text and 5 context lines each (~700
+/// bytes encoded), event ids unique per response.
+pub fn response(r: u64) -> Vec<Delivery> {
+    let context: Vec<ContextLine> = (0..5)
+        .map(|i| ContextLine {
+            event_id: format!("$ctx{i}"),
+            sender: "@bo:localhost".into(),
+            sender_name: None,
+            ts: i,
+            text: "an earlier line of the room, about as long as chat usually is".into(),
+        })
+        .collect();
+    (0..100)
+        .map(|i| Delivery {
+            event_id: format!("$ev{r}-{i}"),
+            room_id: "!lobby:localhost".into(),
+            sender: "@ada:localhost".into(),
+            text: "x".repeat(200),
+            context: context.clone(),
+            ..Delivery::default()
+        })
+        .collect()
+}
