@@ -12,8 +12,8 @@
 //!   their receipt with status `rejected` and the reason; a refused pending or status request, a
 //!   message that does not decode and a document of an unknown type get `cultnet.error.v0`
 //!   naming the record key.
-//! - `cultnet.hello.v0` is answered with the gateway's hello, and a schema catalog request with
-//!   the catalog.
+//! - `cultnet.hello.v0` is answered with the gateway's hello (once per session), and a schema
+//!   catalog request with the catalog. A client's `cultnet.error.v0` is logged, never answered.
 //!
 //! [`Service`] holds the rules and answers what it can at once; a send, which may wait for the
 //! homeserver, comes back as [`Answer::Send`] for [`serve`] to run on its own task, so one slow
@@ -154,6 +154,7 @@ pub struct Service {
     clients: HashMap<String, (VerifyingKey, Client)>,
     ports: BTreeMap<String, Port>,
     peers: HashMap<SocketAddr, String>,
+    greeted: std::collections::HashSet<SocketAddr>,
     nonces: HashMap<(String, String), u64>,
     stats: ServiceStats,
 }
@@ -190,6 +191,7 @@ impl Service {
             clients,
             ports,
             peers: HashMap::new(),
+            greeted: Default::default(),
             nonces: HashMap::new(),
             stats: ServiceStats::default(),
         }
@@ -253,6 +255,7 @@ impl Service {
 
     /// Forgets a peer whose session ended.
     pub fn forget(&mut self, peer: SocketAddr) {
+        self.greeted.remove(&peer);
         if let Some(agent) = self.peers.remove(&peer) {
             tracing::info!(%peer, %agent, "CultNet client gone");
         }
@@ -276,9 +279,22 @@ impl Service {
             }
         };
         match message {
-            Message::Hello(_) => vec![Answer::Reply(Bytes::from(
-                Message::Hello(wire::docs::gateway_hello(&self.runtime_id)).encode(),
-            ))],
+            // Answered once per session: a peer that answers every hello with its own would
+            // otherwise ping-pong with us forever.
+            Message::Hello(h) => {
+                if !self.greeted.insert(peer) {
+                    tracing::debug!(%peer, runtime = %h.runtime_id, "repeated hello not answered");
+                    return Vec::new();
+                }
+                vec![Answer::Reply(Bytes::from(
+                    Message::Hello(wire::docs::gateway_hello(&self.runtime_id)).encode(),
+                ))]
+            }
+            // Never answered, for the same reason.
+            Message::Error(e) => {
+                tracing::warn!(%peer, %agent, "client reports an error: {}", e.error);
+                Vec::new()
+            }
             Message::SchemaCatalogRequest(req) => vec![Answer::Reply(Bytes::from(
                 Message::SchemaCatalogResponse(wire::contracts::answer(&req)).encode(),
             ))],

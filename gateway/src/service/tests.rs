@@ -214,6 +214,13 @@ fn hello_catalog_and_bad_messages_are_answered() {
         .supported_document_types
         .unwrap()
         .contains(&ids::SEND_REQUEST.to_owned()));
+    // A second hello in the same session, and an error from the client, are not answered
+    // (two peers that answer those would talk forever).
+    assert!(f.svc.handle(peer(1), &frame(hello.encode())).is_empty());
+    let err = Message::Error(wire::msg::ErrorMsg {
+        error: "client-side trouble".into(),
+    });
+    assert!(f.svc.handle(peer(1), &frame(err.encode())).is_empty());
     let cat = Message::SchemaCatalogRequest(SchemaCatalogRequest {
         message_id: "c1".into(),
         ..SchemaCatalogRequest::default()
