@@ -1,7 +1,8 @@
 //! A fault-injecting HTTP proxy in front of a real homeserver: it forwards every request to
 //! Synapse unchanged (one request per connection), except that it answers the next `n` `/sync`
-//! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait. Synapse does not rate-limit
-//! `/sync`, so this is how a test makes the ear meet the 429 it must wait out.
+//! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait, and can hold message sends
+//! for a while. Synapse does not rate-limit `/sync` and is never slow on demand, so this is how a
+//! test makes the ear meet a 429 it must wait out, and the mouth a slow homeserver.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -36,6 +37,8 @@ struct Plan {
     hint: std::sync::Mutex<Hint>,
     answered: AtomicU32,
     first_at: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Sends (`PUT .../send/...`) are held this long (ms) before they are forwarded.
+    send_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 /// The proxy; stopped when dropped.
@@ -61,6 +64,7 @@ impl FaultProxy {
             hint: std::sync::Mutex::new(Hint::Header(1)),
             answered: AtomicU32::new(0),
             first_at: std::sync::Mutex::new(None),
+            send_delay_ms: std::sync::atomic::AtomicU64::new(0),
         });
         let shared = plan.clone();
         let task = tokio::spawn(async move {
@@ -84,6 +88,14 @@ impl FaultProxy {
         *self.plan.hint.lock().unwrap_or_else(|e| e.into_inner()) = hint;
         *self.plan.first_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.plan.left.store(n, Ordering::SeqCst);
+    }
+
+    /// Holds every message send (`PUT .../send/...`) this long before forwarding it: a slow
+    /// homeserver, as far as senders can tell.
+    pub fn delay_sends(&self, by: Duration) {
+        self.plan
+            .send_delay_ms
+            .store(by.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// When the first 429 of the last [`FaultProxy::rate_limit_syncs`] went out.
@@ -170,6 +182,10 @@ async fn serve(mut conn: TcpStream, upstream: SocketAddr, plan: &Plan) -> std::i
         );
         conn.write_all(response.as_bytes()).await?;
         return conn.shutdown().await;
+    }
+    let delay = plan.send_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 && path.contains("/send/") {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     // Forward with `Connection: close`, so that every request comes through here on its own.
     let mut rewritten = String::new();

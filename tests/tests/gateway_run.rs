@@ -633,3 +633,108 @@ async fn a_cultnet_turn_request_starts_her_turn_at_once() {
     c.close().await;
     assert!(gw.stop().success());
 }
+
+/// A slow homeserver (a proxy holds each send 4 s) and 70 send requests at once: 64 go out, the
+/// other 6 are answered `failed` at once instead of piling up; repeated later they go out, a
+/// repeat of a sent one makes nothing new, and Matrix has each text exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_beyond_the_in_flight_limit_are_refused_at_once_and_go_out_once_later() {
+    use ed25519_dalek::SigningKey;
+    use gateway::client::Client;
+    use gateway::service::MAX_SENDS_IN_FLIGHT;
+    use std::collections::BTreeMap;
+    use tests::fault_proxy::FaultProxy;
+    use wire::docs::{ids, SendReceipt, SendRequest, Status};
+    use wire::msg::{Message, Put, RawDocument};
+
+    let scene = Scene::new("run-busy", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "busy-lobby").await;
+    let proxy = FaultProxy::start(&url).await;
+    let organ = SigningKey::from_bytes(&[11; 32]);
+    let clients = format!(
+        "\n[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{}\"\npersonas = [\"vera\"]\n",
+        public_hex(&organ)
+    );
+    let config = write_config(
+        &dir,
+        &proxy.url(),
+        &scene.vera_token,
+        &["#busy-lobby:localhost"],
+        &[],
+        &clients,
+    );
+    let gw = GatewayProcess::start(&config);
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let total = MAX_SENDS_IN_FLIGHT + 6;
+    let send = |i: usize| SendRequest {
+        request_id: format!("busy-{i}"),
+        persona: "vera".into(),
+        room: "#busy-lobby:localhost".into(),
+        text: format!("busy {i}"),
+        ..SendRequest::default()
+    };
+    proxy.delay_sends(Duration::from_secs(4));
+    for i in 0..total {
+        let put = Message::DocumentPutRaw(Put {
+            message_id: format!("m{i}"),
+            document: RawDocument::from_payload(
+                ids::SEND_REQUEST,
+                &format!("busy-{i}"),
+                "2026-12-02T00:00:00Z",
+                &send(i),
+            ),
+        });
+        c.send_raw(put.encode()).await.unwrap();
+    }
+    let mut receipts: BTreeMap<String, SendReceipt> = BTreeMap::new();
+    while receipts.len() < total {
+        if let Message::DocumentPutRaw(p) = c.next_message().await.unwrap() {
+            assert_eq!(p.document.schema_id, ids::SEND_RECEIPT);
+            receipts.insert(
+                p.document.record_key.clone(),
+                p.document.payload_as().unwrap(),
+            );
+        }
+    }
+    let busy: Vec<usize> = (0..total)
+        .filter(|i| receipts[&format!("busy-{i}")].status == Status::Failed)
+        .collect();
+    assert_eq!(busy.len(), 6, "{receipts:?}");
+    for i in &busy {
+        let r = &receipts[&format!("busy-{i}")];
+        assert!(
+            r.error.as_deref().unwrap_or_default().contains("in flight"),
+            "{r:?}"
+        );
+    }
+    assert_eq!(
+        receipts.values().filter(|r| r.status == Status::Ok).count(),
+        MAX_SENDS_IN_FLIGHT
+    );
+    proxy.delay_sends(Duration::ZERO);
+    for i in &busy {
+        let r: SendReceipt = c
+            .request(ids::SEND_REQUEST, &format!("again-{i}"), &send(*i))
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+    }
+    let sent_ok = (0..total)
+        .find(|i| !busy.contains(i))
+        .expect("one that went out");
+    let r: SendReceipt = c
+        .request(ids::SEND_REQUEST, "repeat", &send(sent_ok))
+        .await
+        .unwrap();
+    assert_eq!(r.event_id, receipts[&format!("busy-{sent_ok}")].event_id);
+    let mut got = wait_for_reply(ann, &lobby, "never said", Duration::from_secs(2)).await;
+    got.sort();
+    let mut want: Vec<String> = (0..total).map(|i| format!("busy {i}")).collect();
+    want.sort();
+    assert_eq!(got, want, "each text exactly once");
+    c.close().await;
+    assert!(gw.stop().success());
+}
