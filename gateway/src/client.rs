@@ -38,6 +38,9 @@ pub enum ClientError {
     /// The gateway answered with `cultnet.error.v0`.
     #[error("the gateway answered with an error: {0}")]
     Gateway(String),
+    /// QUIC failed (handshake, certificate, stream).
+    #[error("QUIC: {0}")]
+    Quic(String),
     /// The receipt did not decode.
     #[error("the receipt does not decode: {0}")]
     BadReceipt(String),
@@ -167,6 +170,153 @@ impl Client {
 }
 
 /// A session that ends before it was accepted was refused: the server's Disconnect says why.
+/// A client of the gateway's QUIC side (a remote peer): the same requests over one stream.
+#[derive(Debug)]
+pub struct QuicClient {
+    conn: quinn::Connection,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    frames: wire::msg::FrameDecoder,
+    timeout: Duration,
+    agent_id: String,
+    _endpoint: quinn::Endpoint,
+}
+
+impl QuicClient {
+    /// Connects to the gateway's QUIC address, trusting exactly `pinned` (its certificate,
+    /// DER), and presents the signed Connect payload of `agent_id`.
+    pub async fn connect(
+        server: SocketAddr,
+        pinned: &[u8],
+        agent_id: &str,
+        key: &SigningKey,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let quic_err = |e: &dyn std::fmt::Display| ClientError::Quic(e.to_string());
+        let bind = if server.is_ipv4() {
+            SocketAddr::from(([0, 0, 0, 0], 0))
+        } else {
+            SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+        };
+        let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| quic_err(&e))?;
+        let cert = quinn::rustls::pki_types::CertificateDer::from(pinned.to_vec());
+        endpoint.set_default_client_config(
+            crate::quic::client_config(&cert).map_err(|e| quic_err(&e))?,
+        );
+        let connecting = endpoint
+            .connect(server, crate::quic::SERVER_NAMES[0])
+            .map_err(|e| quic_err(&e))?;
+        let conn = tokio::time::timeout(timeout, connecting)
+            .await
+            .map_err(|_| ClientError::Timeout(server, timeout))?
+            .map_err(|e| quic_err(&e))?;
+        let (mut send, recv) = conn.open_bi().await.map_err(|e| quic_err(&e))?;
+        let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+        let payload = ConnectPayload::sign(
+            key,
+            GATEWAY_CONNECTION_ID,
+            agent_id,
+            issued_at,
+            &uuid::Uuid::new_v4().to_string(),
+        );
+        let framed = wire::msg::frame(&payload.encode(), crate::quic::MAX_FRAME)
+            .map_err(|e| quic_err(&e))?;
+        send.write_all(&framed).await.map_err(|e| quic_err(&e))?;
+        Ok(Self {
+            conn,
+            send,
+            recv,
+            frames: wire::msg::FrameDecoder::new(crate::quic::MAX_FRAME),
+            timeout,
+            agent_id: agent_id.to_owned(),
+            _endpoint: endpoint,
+        })
+    }
+
+    /// As [`Client::request`]. A refused Connect shows here, as [`ClientError::Refused`].
+    pub async fn request<T: Serialize, R: DeserializeOwned>(
+        &mut self,
+        schema: &str,
+        record_key: &str,
+        payload: &T,
+    ) -> Result<R, ClientError> {
+        let mut doc =
+            RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
+        doc.source_agent_id = Some(self.agent_id.clone());
+        let msg = Message::DocumentPutRaw(Put {
+            message_id: uuid::Uuid::new_v4().to_string(),
+            document: doc,
+        });
+        let framed = wire::msg::frame(&msg.encode(), crate::quic::MAX_FRAME)
+            .map_err(|e| ClientError::Quic(e.to_string()))?;
+        if self.send.write_all(&framed).await.is_err() {
+            return Err(self.closed());
+        }
+        loop {
+            match self.next_message().await? {
+                Message::DocumentPutRaw(p) if p.document.record_key == record_key => {
+                    return p
+                        .document
+                        .payload_as()
+                        .map_err(|e| ClientError::BadReceipt(e.to_string()));
+                }
+                Message::Error(e) => return Err(ClientError::Gateway(e.error)),
+                _ => {}
+            }
+        }
+    }
+
+    /// Sends raw bytes as one frame (for tests of what the gateway does with them).
+    pub async fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        let framed = wire::msg::frame(bytes, crate::quic::MAX_FRAME)
+            .map_err(|e| ClientError::Quic(e.to_string()))?;
+        if self.send.write_all(&framed).await.is_err() {
+            return Err(self.closed());
+        }
+        Ok(())
+    }
+
+    /// The next message the gateway sends.
+    pub async fn next_message(&mut self) -> Result<Message, ClientError> {
+        loop {
+            match self.frames.next_frame() {
+                Ok(Some(f)) => {
+                    if let Ok(m) = Message::decode(&f) {
+                        return Ok(m);
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => return Err(ClientError::Quic(e.to_string())),
+            }
+            let chunk = tokio::time::timeout(self.timeout, self.recv.read_chunk(65_536, true))
+                .await
+                .map_err(|_| ClientError::Timeout(self.conn.remote_address(), self.timeout))?;
+            match chunk {
+                Ok(Some(c)) => self.frames.push(&c.bytes),
+                Ok(None) | Err(_) => return Err(self.closed()),
+            }
+        }
+    }
+
+    /// Why the connection is gone: the gateway's reason when it closed it.
+    fn closed(&self) -> ClientError {
+        match self.conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c)) => {
+                ClientError::Refused(String::from_utf8_lossy(&c.reason).into_owned())
+            }
+            Some(other) => ClientError::Quic(other.to_string()),
+            None => ClientError::Quic("the stream ended".into()),
+        }
+    }
+
+    /// Closes the connection.
+    pub async fn close(self) {
+        self.conn.close(0u32.into(), b"done");
+        self._endpoint.wait_idle().await;
+    }
+}
+
 fn refusal(reason: CloseReason) -> ClientError {
     match reason {
         CloseReason::Refused(why) | CloseReason::Peer(why) => ClientError::Refused(why),

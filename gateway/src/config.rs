@@ -199,6 +199,23 @@ pub struct CultNet {
     /// The clients allowed to connect, each with its pinned key.
     #[serde(rename = "client")]
     pub clients: Vec<Client>,
+    /// CultNet for remote peers over QUIC (off when absent).
+    pub quic: Option<Quic>,
+}
+
+/// `[cultnet.quic]`: the same service for remote peers, over QUIC.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quic {
+    /// Address to bind (any interface may be used: TLS 1.3 and the pinned client keys guard it).
+    pub bind: std::net::SocketAddr,
+    /// PEM certificate chain; with `key_file`. When both are absent, a self-signed certificate
+    /// is made once and kept in `STATE/quic/` (clients pin it).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of the certificate.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 impl Default for CultNet {
@@ -207,6 +224,7 @@ impl Default for CultNet {
             bind: std::net::SocketAddr::from(([127, 0, 0, 1], 47_004)),
             max_skew_secs: 120,
             clients: Vec::new(),
+            quic: None,
         }
     }
 }
@@ -308,6 +326,22 @@ impl Config {
     }
 
     fn check_clients(&self) -> Result<(), ConfigError> {
+        if let Some(q) = &self.cultnet.quic {
+            if q.cert_file.is_some() != q.key_file.is_some() {
+                return Err(err(
+                    None,
+                    "cultnet.quic.cert_file",
+                    "set both cert_file and key_file, or neither (a certificate is then made)",
+                ));
+            }
+            if q.bind == self.cultnet.bind && q.bind.port() != 0 {
+                return Err(err(
+                    None,
+                    "cultnet.quic.bind",
+                    "must differ from cultnet.bind (both are UDP)",
+                ));
+            }
+        }
         let mut agents = HashSet::new();
         for (i, c) in self.cultnet.clients.iter().enumerate() {
             let at = |field: &str| format!("cultnet.client[{i}].{field}");
@@ -658,6 +692,17 @@ operators = ["@op:localhost"]
         assert_eq!(e.key, "cultnet.client[1].agent_id");
         let e = client(&format!("{one}\nverbs = [\"delete\"]")).unwrap_err();
         assert!(e.problem.contains("delete"), "{e}");
+    }
+
+    #[test]
+    fn quic_needs_both_pem_files_or_none_and_its_own_port() {
+        let quic = |body: &str| Config::parse(&format!("{GOOD}\n[cultnet.quic]\n{body}"));
+        let c = quic("bind = \"0.0.0.0:47005\"").unwrap();
+        assert_eq!(c.cultnet.quic.unwrap().cert_file, None);
+        let e = quic("bind = \"0.0.0.0:47005\"\ncert_file = \"/x.pem\"").unwrap_err();
+        assert_eq!(e.key, "cultnet.quic.cert_file");
+        let e = quic("bind = \"127.0.0.1:47004\"").unwrap_err();
+        assert_eq!(e.key, "cultnet.quic.bind");
     }
 
     #[test]

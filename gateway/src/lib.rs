@@ -10,7 +10,7 @@
 //! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends.
 //! - [`turns`]: her live session's turn loop.
 //! - [`service`]: what CultNet clients ask of the gateway, and its answers; [`client`]: the
-//!   other side, for tools and tests.
+//!   other side, for tools and tests; [`quic`]: the same service for remote peers over QUIC.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
@@ -22,5 +22,6 @@ pub mod event;
 pub mod inbox;
 pub mod matrix;
 pub mod mouth;
+pub mod quic;
 pub mod service;
 pub mod turns;

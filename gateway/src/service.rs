@@ -633,17 +633,90 @@ pub fn rfc3339(unix_ms: i64) -> String {
     )
 }
 
+/// What the QUIC side ([`crate::quic`]) tells the service loop about its connections.
+#[derive(Debug)]
+pub enum Remote {
+    /// A connection's first frame, its Connect payload; the verdict goes back on `verdict`.
+    Connect {
+        /// The peer.
+        peer: SocketAddr,
+        /// Its Connect payload.
+        payload: Bytes,
+        /// Where its answers go.
+        out: mpsc::Sender<Bytes>,
+        /// `Ok` to go on, `Err(reason)` to close the connection.
+        verdict: tokio::sync::oneshot::Sender<Result<(), String>>,
+    },
+    /// A message from an accepted peer.
+    Frame {
+        /// The peer.
+        peer: SocketAddr,
+        /// The message.
+        payload: Bytes,
+    },
+    /// The connection ended.
+    Gone {
+        /// The peer.
+        peer: SocketAddr,
+    },
+}
+
+/// Where a peer's answers go.
+#[derive(Clone, Debug)]
+enum Sink {
+    Rudp(EndpointHandle, SocketAddr),
+    Quic(mpsc::Sender<Bytes>),
+}
+
+impl Sink {
+    async fn send(&self, bytes: Bytes) {
+        match self {
+            Sink::Rudp(endpoint, peer) => {
+                let _ = endpoint.send(*peer, CHANNEL, bytes).await;
+            }
+            Sink::Quic(out) => {
+                let _ = out.send(bytes).await;
+            }
+        }
+    }
+}
+
 /// Runs the service over an endpoint until `stop` turns true.
 pub async fn serve(
+    service: Service,
+    endpoint: EndpointHandle,
+    events: mpsc::Receiver<EndpointEvent>,
+    stop: watch::Receiver<bool>,
+) {
+    serve_with(service, endpoint, events, None, stop).await;
+}
+
+/// [`serve`], plus the peers of the QUIC side when `remote` is given.
+pub async fn serve_with(
     mut service: Service,
     endpoint: EndpointHandle,
     mut events: mpsc::Receiver<EndpointEvent>,
+    mut remote: Option<mpsc::Receiver<Remote>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
+    let mut quic: HashMap<SocketAddr, mpsc::Sender<Bytes>> = HashMap::new();
     loop {
+        let from_quic = async {
+            match remote.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         let event = tokio::select! {
             e = events.recv() => e,
+            r = from_quic => {
+                match r {
+                    Some(r) => remote_event(&mut service, &mut quic, &sends, r).await,
+                    None => remote = None,
+                }
+                continue;
+            }
             _ = stop.changed() => break,
         };
         let Some(event) = event else { break };
@@ -665,8 +738,9 @@ pub async fn serve(
                 }
             }
             HubEvent::Frame { peer, frame } => {
+                let sink = Sink::Rudp(endpoint.clone(), peer);
                 for answer in service.handle(peer, &frame) {
-                    run_answer(&service.runtime_id, &endpoint, &sends, peer, answer).await;
+                    run_answer(&service.runtime_id, &sink, &sends, answer).await;
                 }
             }
             HubEvent::Disconnected { peer, reason } => {
@@ -679,17 +753,56 @@ pub async fn serve(
     let _ = endpoint.shutdown().await;
 }
 
+async fn remote_event(
+    service: &mut Service,
+    quic: &mut HashMap<SocketAddr, mpsc::Sender<Bytes>>,
+    sends: &Arc<tokio::sync::Semaphore>,
+    event: Remote,
+) {
+    match event {
+        Remote::Connect {
+            peer,
+            payload,
+            out,
+            verdict,
+        } => {
+            let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+            match service.authenticate(peer, &payload, now) {
+                Ok(_) => {
+                    quic.insert(peer, out);
+                    let _ = verdict.send(Ok(()));
+                }
+                Err(why) => {
+                    let _ = verdict.send(Err(why.to_string()));
+                }
+            }
+        }
+        Remote::Frame { peer, payload } => {
+            let Some(out) = quic.get(&peer) else { return };
+            let sink = Sink::Quic(out.clone());
+            let frame = Frame {
+                channel: Arc::from(CHANNEL),
+                payload,
+            };
+            for answer in service.handle(peer, &frame) {
+                run_answer(&service.runtime_id, &sink, sends, answer).await;
+            }
+        }
+        Remote::Gone { peer } => {
+            quic.remove(&peer);
+            service.forget(peer);
+        }
+    }
+}
+
 async fn run_answer(
     runtime_id: &str,
-    endpoint: &EndpointHandle,
+    sink: &Sink,
     sends: &Arc<tokio::sync::Semaphore>,
-    peer: SocketAddr,
     answer: Answer,
 ) {
     match answer {
-        Answer::Reply(bytes) => {
-            let _ = endpoint.send(peer, CHANNEL, bytes).await;
-        }
+        Answer::Reply(bytes) => sink.send(bytes).await,
         Answer::Send {
             record_key,
             request,
@@ -706,16 +819,16 @@ async fn run_answer(
                     ..SendReceipt::default()
                 };
                 let bytes = receipt_bytes(runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
-                let _ = endpoint.send(peer, CHANNEL, bytes).await;
+                sink.send(bytes).await;
                 return;
             };
-            let endpoint = endpoint.clone();
+            let sink = sink.clone();
             let runtime_id = runtime_id.to_owned();
             tokio::spawn(async move {
                 let receipt = mouth.send(&request).await;
                 drop(permit);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
-                let _ = endpoint.send(peer, CHANNEL, bytes).await;
+                sink.send(bytes).await;
             });
         }
         Answer::ReadReceipt {

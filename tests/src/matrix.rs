@@ -306,11 +306,20 @@ impl GatewayProcess {
 
     /// The CultNet address it logged when it started (`cultnet=ADDR` in "gateway running").
     pub fn cultnet_addr(&self) -> std::net::SocketAddr {
+        self.logged_addr("gateway running", "cultnet=")
+    }
+
+    /// The QUIC address it logged (`addr=ADDR` in "CultNet over QUIC").
+    pub fn quic_addr(&self) -> std::net::SocketAddr {
+        self.logged_addr("CultNet over QUIC", "addr=")
+    }
+
+    fn logged_addr(&self, marker: &str, field: &str) -> std::net::SocketAddr {
         let log = self.log();
         let line = log
             .lines()
-            .find(|l| l.contains("gateway running"))
-            .expect("the gateway logged that it is running");
+            .find(|l| l.contains(marker))
+            .unwrap_or_else(|| panic!("the gateway did not log {marker:?}:\n{log}"));
         // Strip ANSI styling, then read the value after `cultnet=`.
         let mut plain = String::new();
         let mut chars = line.chars();
@@ -322,14 +331,14 @@ impl GatewayProcess {
             }
         }
         let at = plain
-            .find("cultnet=")
-            .expect("cultnet= in the running line")
-            + 8;
+            .find(field)
+            .unwrap_or_else(|| panic!("no {field} in {plain:?}"))
+            + field.len();
         plain[at..]
             .split_whitespace()
             .next()
             .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("no CultNet address in {plain:?}"))
+            .unwrap_or_else(|| panic!("no address after {field} in {plain:?}"))
     }
 
     /// Everything it logged so far.

@@ -413,7 +413,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     assert!(keygen.status.success());
     let tool_block = String::from_utf8(keygen.stdout).unwrap();
     let clients = format!(
-        "\n[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{public}\"\npersonas = [\"vera\"]\n{tool_block}"
+        "\n[cultnet.quic]\nbind = \"127.0.0.1:0\"\n\n[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{public}\"\npersonas = [\"vera\"]\n{tool_block}"
     );
     let config = write_config(
         &dir,
@@ -548,6 +548,30 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     let page: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(page["throughSeq"], 0, "{page}");
     assert_eq!(page["pendingCount"], 0);
+    // The same tool as a remote peer: QUIC, pinning the certificate the gateway made.
+    let out = std::process::Command::new(tests::matrix::gateway_bin())
+        .args([
+            "client",
+            "--agent",
+            "ops",
+            "--gateway",
+            &gw.quic_addr().to_string(),
+        ])
+        .arg("--quic-cert")
+        .arg(dir.join("state/quic/cert.der"))
+        .arg("--key")
+        .arg(&tool_key)
+        .args(["status"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["personas"][0]["persona"], "vera", "{status}");
+    assert_eq!(status["personas"][0]["ackedThrough"], seq, "{status}");
     assert!(gw.stop().success());
 }
 

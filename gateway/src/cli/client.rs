@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Subcommand;
 use ed25519_dalek::SigningKey;
-use gateway::client::{load_key, Client};
+use gateway::client::{load_key, Client, ClientError, QuicClient};
 use serde::Serialize;
 use wire::docs::{
     ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
@@ -116,23 +116,65 @@ fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     writeln!(f, "{text}")
 }
 
-/// Connects, asks, prints the receipt as JSON.
+/// Either transport, for the one place that does not care.
+enum Conn {
+    Rudp(Client),
+    Quic(QuicClient),
+}
+
+impl Conn {
+    async fn request<T: Serialize, R: serde::de::DeserializeOwned>(
+        &mut self,
+        schema: &str,
+        record_key: &str,
+        payload: &T,
+    ) -> Result<R, ClientError> {
+        match self {
+            Conn::Rudp(c) => c.request(schema, record_key, payload).await,
+            Conn::Quic(c) => c.request(schema, record_key, payload).await,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            Conn::Rudp(c) => c.close().await,
+            Conn::Quic(c) => c.close().await,
+        }
+    }
+}
+
+/// Connects (over RUDP, or over QUIC when `quic_cert` pins the gateway's certificate), asks,
+/// prints the receipt as JSON.
 pub(crate) fn run(
     gateway: SocketAddr,
     agent: &str,
     key_file: &Path,
+    quic_cert: Option<&Path>,
     timeout: Duration,
     ask: Ask,
 ) -> Result<(), Failure> {
     let key = load_key(key_file).map_err(|e| Failure::input(e.into()))?;
+    let pinned = quic_cert
+        .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
+        .transpose()
+        .map_err(Failure::input)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("starting the runtime")?;
     rt.block_on(async {
-        let mut c = Client::connect(gateway, agent, &key, timeout)
-            .await
-            .with_context(|| format!("connecting to {gateway}"))?;
+        let mut c = match &pinned {
+            Some(cert) => Conn::Quic(
+                QuicClient::connect(gateway, cert, agent, &key, timeout)
+                    .await
+                    .with_context(|| format!("connecting to {gateway} over QUIC"))?,
+            ),
+            None => Conn::Rudp(
+                Client::connect(gateway, agent, &key, timeout)
+                    .await
+                    .with_context(|| format!("connecting to {gateway}"))?,
+            ),
+        };
         let key = uuid::Uuid::new_v4().to_string();
         let out = match ask {
             Ask::Status { persona } => json(

@@ -53,6 +53,10 @@ enum Command {
         /// Its secret key file (from `keygen`).
         #[arg(long)]
         key: PathBuf,
+        /// Talk QUIC (a remote gateway): the gateway's certificate (DER, e.g. its
+        /// `STATE/quic/cert.der`), the only one trusted; `--gateway` is then its QUIC address.
+        #[arg(long)]
+        quic_cert: Option<PathBuf>,
         /// Seconds to wait for each answer.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
@@ -120,12 +124,14 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             gateway,
             agent,
             key,
+            quic_cert,
             timeout,
             ask,
         } => client::run(
             gateway,
             &agent,
             &key,
+            quic_cert.as_deref(),
             std::time::Duration::from_secs(timeout),
             ask,
         ),

@@ -87,7 +87,31 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         &cfg.cultnet.clients,
         ports,
     );
-    tasks.spawn(service::serve(service, endpoint, events, stop_rx.clone()));
+    let remote = match &cfg.cultnet.quic {
+        Some(q) => {
+            let identity = gateway::quic::identity(
+                q.cert_file.as_deref(),
+                q.key_file.as_deref(),
+                &cfg.state_dir,
+            )
+            .context("the QUIC certificate")?;
+            let fingerprint = identity.fingerprint();
+            let quic = gateway::quic::server(q.bind, identity).context("starting QUIC")?;
+            let addr = quic.local_addr().context("the QUIC address")?;
+            tracing::info!(%addr, sha256 = %fingerprint, "CultNet over QUIC for remote peers");
+            let (tx, rx) = tokio::sync::mpsc::channel(1024);
+            tasks.spawn(gateway::quic::accept(quic, tx, stop_rx.clone()));
+            Some(rx)
+        }
+        None => None,
+    };
+    tasks.spawn(service::serve_with(
+        service,
+        endpoint,
+        events,
+        remote,
+        stop_rx.clone(),
+    ));
     tracing::info!(personas = started, %cultnet, clients = cfg.cultnet.clients.len(), "gateway running");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;

@@ -1,0 +1,175 @@
+//! CultNet over QUIC for remote peers, over real loopback sockets: the in-process service with a
+//! QUIC server (a certificate made in the state directory), and a quinn client that pins it.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ed25519_dalek::SigningKey;
+use gateway::client::{ClientError, QuicClient};
+use gateway::config::{Client as ClientConfig, Verb};
+use gateway::endpoint::{spawn, EndpointConfig};
+use gateway::inbox::Inbox;
+use gateway::quic;
+use gateway::service::{serve_with, Port, Service};
+use wire::docs::{ids, Delivery, PendingPage, PendingRequest};
+use wire::msg::Message;
+use wire::session::GATEWAY_CONNECTION_ID;
+
+fn state_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cultnet-quic-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Starts the service with a QUIC side; returns its QUIC address and certificate.
+async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::Identity) {
+    let inbox = Inbox::open(&dir.join("inbox")).unwrap();
+    let d = |e: &str| Delivery {
+        event_id: e.into(),
+        room_id: "!r:l".into(),
+        sender: "@ann:l".into(),
+        text: format!("said {e}"),
+        ..Delivery::default()
+    };
+    inbox.ingest("mira", "t", &[d("$1"), d("$2")]).unwrap();
+    let clients = [ClientConfig {
+        agent_id: "far-organ".into(),
+        public_key: key
+            .verifying_key()
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect(),
+        personas: vec!["mira".into()],
+        verbs: Verb::ALL.to_vec(),
+    }];
+    let mut ports = BTreeMap::new();
+    ports.insert(
+        "mira".to_owned(),
+        Port {
+            user_id: "@mira:l".into(),
+            max_pending: 1000,
+            mouth: None,
+            turn_requests: None,
+            signals: Arc::default(),
+            ear: None,
+            failed: None,
+        },
+    );
+    let service = Service::new(
+        "gw-quic",
+        GATEWAY_CONNECTION_ID,
+        120,
+        inbox,
+        &clients,
+        ports,
+    );
+    let (endpoint, events, _) = spawn(EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 1))
+        .await
+        .unwrap();
+    let server = quic::server(
+        "127.0.0.1:0".parse().unwrap(),
+        quic::identity(None, None, dir).unwrap(),
+    )
+    .unwrap();
+    let addr = server.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(quic::accept(server, tx, stop.clone()));
+    tokio::spawn(async move {
+        serve_with(service, endpoint, events, Some(rx), stop).await;
+        drop(_stop_tx);
+    });
+    (addr, quic::identity(None, None, dir).unwrap())
+}
+
+async fn far(
+    addr: SocketAddr,
+    pinned: &quic::Identity,
+    key: &SigningKey,
+) -> Result<QuicClient, ClientError> {
+    QuicClient::connect(
+        addr,
+        pinned.certs[0].as_ref(),
+        "far-organ",
+        key,
+        Duration::from_secs(10),
+    )
+    .await
+}
+
+fn pending_request() -> PendingRequest {
+    PendingRequest {
+        persona: "mira".into(),
+        ..PendingRequest::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_client_with_a_pinned_key_is_served_over_quic() {
+    let dir = state_dir("served");
+    let key = SigningKey::from_bytes(&[21; 32]);
+    let (addr, cert) = gateway(&dir, &key).await;
+    let mut far = far(addr, &cert, &key).await.unwrap();
+    let page: PendingPage = far
+        .request(ids::PENDING_REQUEST, "far-1", &pending_request())
+        .await
+        .unwrap();
+    let texts: Vec<&str> = page.deliveries.iter().map(|d| d.text.as_str()).collect();
+    assert_eq!(texts, ["said $1", "said $2"]);
+    // Garbage gets an error and the connection goes on.
+    far.send_raw(b"\xc1").await.unwrap();
+    assert!(matches!(
+        far.next_message().await.unwrap(),
+        Message::Error(_)
+    ));
+    let again: PendingPage = far
+        .request(ids::PENDING_REQUEST, "far-2", &pending_request())
+        .await
+        .unwrap();
+    assert_eq!(again.pending_count, 2);
+    far.close().await;
+    // The certificate made on first start is kept: a restart serves the same one.
+    let kept = quic::identity(None, None, &dir).unwrap();
+    assert_eq!(kept.fingerprint(), cert.fingerprint());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_key_is_refused_and_an_unpinned_server_is_not_trusted() {
+    let dir = state_dir("refused");
+    let key = SigningKey::from_bytes(&[21; 32]);
+    let (addr, cert) = gateway(&dir, &key).await;
+    let wrong = SigningKey::from_bytes(&[22; 32]);
+    let mut far_wrong = far(addr, &cert, &wrong).await.unwrap();
+    let refused = far_wrong
+        .request::<_, PendingPage>(ids::PENDING_REQUEST, "x", &pending_request())
+        .await;
+    match refused {
+        Err(ClientError::Refused(why)) => assert!(why.contains("signature"), "{why}"),
+        other => panic!("a wrong key was not refused: {other:?}"),
+    }
+    // A client pinning another certificate does not get a connection at all.
+    let other = quic::identity(None, None, &state_dir("other")).unwrap();
+    assert!(matches!(
+        far(addr, &other, &key).await,
+        Err(ClientError::Quic(_))
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pem_files_are_read_and_a_bad_one_is_refused() {
+    let dir = state_dir("pem");
+    let made = rcgen::generate_simple_self_signed(vec!["cultnet-gateway".to_owned()]).unwrap();
+    std::fs::write(dir.join("c.pem"), made.cert.pem()).unwrap();
+    std::fs::write(dir.join("k.pem"), made.key_pair.serialize_pem()).unwrap();
+    let id = quic::identity(Some(&dir.join("c.pem")), Some(&dir.join("k.pem")), &dir).unwrap();
+    assert_eq!(id.certs[0].as_ref(), made.cert.der().as_ref());
+    std::fs::write(dir.join("bad.pem"), "not a certificate").unwrap();
+    assert!(quic::identity(Some(&dir.join("bad.pem")), Some(&dir.join("k.pem")), &dir).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
