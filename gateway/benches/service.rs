@@ -3,7 +3,8 @@
 //! request at a time. `cargo bench -p gateway --bench service`; `REQUESTS=N` (default 2000).
 //!
 //! Prints p50 / p99 and requests/s for: a pending page of 10 deliveries (~7 KB, fragmented),
-//! an ack of one delivery (a flushed sled write), and a status request.
+//! an ack of one delivery (a flushed sled write), and a status request; then a pending page and
+//! a status request over the QUIC side (a remote peer's path, here on loopback).
 
 mod support;
 
@@ -12,11 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use gateway::client::Client;
+use gateway::client::{Client, QuicClient};
 use gateway::config::{Client as ClientConfig, Verb};
 use gateway::endpoint::{spawn, EndpointConfig};
 use gateway::inbox::Inbox;
-use gateway::service::{serve, Port, Service};
+use gateway::quic;
+use gateway::service::{serve_with, Port, Service};
 use wire::docs::{
     ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, StatusRequest,
 };
@@ -96,7 +98,13 @@ fn main() {
                 .expect("endpoint");
         let addr = endpoint.local_addr();
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-        tokio::spawn(serve(service, endpoint, events, stop));
+        let identity = quic::identity(None, None, &dir.join("state")).expect("certificate");
+        let cert = identity.certs[0].clone();
+        let server = quic::server("127.0.0.1:0".parse().expect("addr"), identity).expect("quic");
+        let quic_addr = server.local_addr().expect("quic address");
+        let (remote_tx, remote_rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(quic::accept(server, remote_tx, stop.clone()));
+        tokio::spawn(serve_with(service, endpoint, events, Some(remote_rx), stop));
         let mut c = Client::connect(addr, "organ", &key, Duration::from_secs(10))
             .await
             .expect("connect");
@@ -157,6 +165,53 @@ fn main() {
         }
         report("status", lat, start.elapsed());
         c.close().await;
+
+        // The same service over QUIC (a remote peer's path), on loopback.
+        let mut q = QuicClient::connect(
+            quic_addr,
+            cert.as_ref(),
+            "organ",
+            &key,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("QUIC connect");
+        let (mut lat, start) = (Vec::new(), Instant::now());
+        for i in 0..n {
+            let t = Instant::now();
+            let page: PendingPage = q
+                .request(
+                    ids::PENDING_REQUEST,
+                    &format!("qp{i}"),
+                    &PendingRequest {
+                        persona: "mira".into(),
+                        after_seq: n + (i % 50),
+                        limit: Some(10),
+                        reply_bytes: None,
+                    },
+                )
+                .await
+                .expect("pending over QUIC");
+            lat.push(t.elapsed());
+            assert_eq!(page.deliveries.len(), 10);
+        }
+        report("QUIC: pending page of 10 (~7 KB)", lat, start.elapsed());
+        let (mut lat, start) = (Vec::new(), Instant::now());
+        for i in 0..n {
+            let t = Instant::now();
+            let s: GatewayStatus = q
+                .request(
+                    ids::STATUS_REQUEST,
+                    &format!("qs{i}"),
+                    &StatusRequest::default(),
+                )
+                .await
+                .expect("status over QUIC");
+            lat.push(t.elapsed());
+            assert_eq!(s.personas.len(), 1);
+        }
+        report("QUIC: status", lat, start.elapsed());
+        q.close().await;
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
