@@ -114,24 +114,11 @@ impl Client {
         record_key: &str,
         payload: &T,
     ) -> Result<R, ClientError> {
-        let mut doc =
-            RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
-        doc.source_agent_id = Some(self.agent_id.clone());
-        let msg = Message::DocumentPutRaw(Put {
-            message_id: uuid::Uuid::new_v4().to_string(),
-            document: doc,
-        });
-        self.send_raw(msg.encode()).await?;
+        self.send_raw(put_request(&self.agent_id, schema, record_key, payload))
+            .await?;
         loop {
-            match self.next_message().await? {
-                Message::DocumentPutRaw(p) if p.document.record_key == record_key => {
-                    return p
-                        .document
-                        .payload_as()
-                        .map_err(|e| ClientError::BadReceipt(e.to_string()));
-                }
-                Message::Error(e) => return Err(ClientError::Gateway(e.error)),
-                _ => {}
+            if let Some(answer) = answer_to(self.next_message().await?, record_key) {
+                return answer;
             }
         }
     }
@@ -166,6 +153,40 @@ impl Client {
     pub async fn close(self) {
         let _ = self.endpoint.disconnect(self.server, "done").await;
         let _ = self.endpoint.shutdown().await;
+    }
+}
+
+/// The message that puts request document `schema` under `record_key`, from `agent_id`.
+fn put_request<T: Serialize>(
+    agent_id: &str,
+    schema: &str,
+    record_key: &str,
+    payload: &T,
+) -> Vec<u8> {
+    let mut doc =
+        RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
+    doc.source_agent_id = Some(agent_id.to_owned());
+    Message::DocumentPutRaw(Put {
+        message_id: uuid::Uuid::new_v4().to_string(),
+        document: doc,
+    })
+    .encode()
+}
+
+/// What `message` means to a request waiting on `record_key`: its receipt, the gateway's error,
+/// or nothing (another message).
+fn answer_to<R: DeserializeOwned>(
+    message: Message,
+    record_key: &str,
+) -> Option<Result<R, ClientError>> {
+    match message {
+        Message::DocumentPutRaw(p) if p.document.record_key == record_key => Some(
+            p.document
+                .payload_as()
+                .map_err(|e| ClientError::BadReceipt(e.to_string())),
+        ),
+        Message::Error(e) => Some(Err(ClientError::Gateway(e.error))),
+        _ => None,
     }
 }
 
@@ -240,28 +261,11 @@ impl QuicClient {
         record_key: &str,
         payload: &T,
     ) -> Result<R, ClientError> {
-        let mut doc =
-            RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
-        doc.source_agent_id = Some(self.agent_id.clone());
-        let msg = Message::DocumentPutRaw(Put {
-            message_id: uuid::Uuid::new_v4().to_string(),
-            document: doc,
-        });
-        let framed = wire::msg::frame(&msg.encode(), crate::quic::MAX_FRAME)
-            .map_err(|e| ClientError::Quic(e.to_string()))?;
-        if self.send.write_all(&framed).await.is_err() {
-            return Err(self.closed());
-        }
+        let put = put_request(&self.agent_id, schema, record_key, payload);
+        self.send_raw(&put).await?;
         loop {
-            match self.next_message().await? {
-                Message::DocumentPutRaw(p) if p.document.record_key == record_key => {
-                    return p
-                        .document
-                        .payload_as()
-                        .map_err(|e| ClientError::BadReceipt(e.to_string()));
-                }
-                Message::Error(e) => return Err(ClientError::Gateway(e.error)),
-                _ => {}
+            if let Some(answer) = answer_to(self.next_message().await?, record_key) {
+                return answer;
             }
         }
     }
