@@ -71,16 +71,8 @@ impl Client {
         };
         let (endpoint, events, _task) =
             endpoint::spawn(EndpointConfig::new(bind, rand_seed())).await?;
-        let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-        let payload = ConnectPayload::sign(
-            key,
-            GATEWAY_CONNECTION_ID,
-            agent_id,
-            issued_at,
-            &uuid::Uuid::new_v4().to_string(),
-        );
         endpoint
-            .connect(server, Bytes::from(payload.encode()))
+            .connect(server, Bytes::from(connect_payload(key, agent_id)))
             .await?;
         let mut me = Self {
             endpoint,
@@ -154,6 +146,19 @@ impl Client {
         let _ = self.endpoint.disconnect(self.server, "done").await;
         let _ = self.endpoint.shutdown().await;
     }
+}
+
+/// A Connect payload signed now by `agent_id`, with a fresh nonce (the same on both transports).
+fn connect_payload(key: &SigningKey, agent_id: &str) -> Vec<u8> {
+    let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+    ConnectPayload::sign(
+        key,
+        GATEWAY_CONNECTION_ID,
+        agent_id,
+        issued_at,
+        &uuid::Uuid::new_v4().to_string(),
+    )
+    .encode()
 }
 
 /// The message that puts request document `schema` under `record_key`, from `agent_id`.
@@ -232,15 +237,7 @@ impl QuicClient {
             .map_err(|_| ClientError::Timeout(server, timeout))?
             .map_err(|e| quic_err(&e))?;
         let (mut send, recv) = conn.open_bi().await.map_err(|e| quic_err(&e))?;
-        let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-        let payload = ConnectPayload::sign(
-            key,
-            GATEWAY_CONNECTION_ID,
-            agent_id,
-            issued_at,
-            &uuid::Uuid::new_v4().to_string(),
-        );
-        let framed = wire::msg::frame(&payload.encode(), crate::quic::MAX_FRAME)
+        let framed = wire::msg::frame(&connect_payload(key, agent_id), crate::quic::MAX_FRAME)
             .map_err(|e| quic_err(&e))?;
         send.write_all(&framed).await.map_err(|e| quic_err(&e))?;
         Ok(Self {
