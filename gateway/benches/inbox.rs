@@ -15,10 +15,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let responses: u64 = std::env::var("RESPONSES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
+    let responses = support::env_count("RESPONSES", 300);
     let dir = std::env::temp_dir().join(format!("cultnet-inbox-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("open");

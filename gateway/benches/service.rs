@@ -9,7 +9,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
@@ -40,10 +39,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let n: u64 = std::env::var("REQUESTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
+    let n = support::env_count("REQUESTS", 2000);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -59,30 +55,14 @@ fn main() {
             .expect("ingest");
     }
     let key = SigningKey::from_bytes(&[3; 32]);
-    let clients = [ClientConfig {
-        agent_id: "organ".into(),
-        public_key: key
-            .verifying_key()
-            .as_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
-        personas: vec!["mira".into()],
-        verbs: Verb::ALL.to_vec(),
-    }];
+    let clients = [ClientConfig::for_key(
+        "organ",
+        &key.verifying_key(),
+        &["mira"],
+        &Verb::ALL,
+    )];
     let mut ports = BTreeMap::new();
-    ports.insert(
-        "mira".to_owned(),
-        Port {
-            user_id: "@mira:localhost".into(),
-            max_pending: 1_000_000,
-            mouth: None,
-            turn_requests: None,
-            signals: Arc::default(),
-            ear: None,
-            failed: None,
-        },
-    );
+    ports.insert("mira".to_owned(), Port::new("@mira:localhost", 1_000_000));
     rt.block_on(async {
         let service = Service::new(
             "bench",

@@ -281,6 +281,21 @@ impl Client {
         hex32(self.public_key.trim())
     }
 
+    /// A client of `agent_id` with this public key, for these Personas and verbs.
+    pub fn for_key(
+        agent_id: &str,
+        key: &ed25519_dalek::VerifyingKey,
+        personas: &[&str],
+        verbs: &[Verb],
+    ) -> Self {
+        Self {
+            agent_id: agent_id.to_owned(),
+            public_key: hex(key.as_bytes()),
+            personas: personas.iter().map(|p| (*p).to_owned()).collect(),
+            verbs: verbs.to_vec(),
+        }
+    }
+
     /// May it act for `persona`?
     pub fn allows_persona(&self, persona: &str) -> bool {
         self.personas.iter().any(|p| p == "*" || p == persona)
@@ -591,6 +606,11 @@ pub fn read_private(path: &Path) -> Result<Secret, String> {
         return Err(format!("{} is empty", path.display()));
     }
     Ok(Secret(value.to_owned()))
+}
+
+/// Bytes as lowercase hex digits (keys in the config, digests in ids and logs).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// 64 hex digits as 32 bytes.

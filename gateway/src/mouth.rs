@@ -106,8 +106,7 @@ pub fn txn_id(persona: &str, request_id: &str) -> String {
     h.update([0]);
     h.update(request_id.as_bytes());
     let digest = h.finalize();
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("cg1-{hex}")
+    format!("cg1-{}", crate::config::hex(&digest[..16]))
 }
 
 /// The `m.room.message` content for a send: plain text, in a thread and/or replying.

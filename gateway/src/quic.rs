@@ -66,12 +66,7 @@ impl Identity {
     pub fn fingerprint(&self) -> String {
         self.certs
             .first()
-            .map(|c| {
-                Sha256::digest(c.as_ref())
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect()
-            })
+            .map(|c| crate::config::hex(&Sha256::digest(c.as_ref())))
             .unwrap_or_default()
     }
 }

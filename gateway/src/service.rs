@@ -93,6 +93,22 @@ pub struct Port {
     pub failed: Option<String>,
 }
 
+impl Port {
+    /// A Persona with nothing running for her yet (no mouth, no turn loop, no ear): what the
+    /// service knows of one that failed to start (with `failed` set), and of one in tests.
+    pub fn new(user_id: &str, max_pending: u64) -> Self {
+        Self {
+            user_id: user_id.to_owned(),
+            max_pending,
+            mouth: None,
+            turn_requests: None,
+            signals: Arc::default(),
+            ear: None,
+            failed: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for Port {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Port")

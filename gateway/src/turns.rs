@@ -147,11 +147,7 @@ impl std::fmt::Debug for TurnLoop {
 
 fn hash_file(path: &std::path::Path) -> String {
     let bytes = std::fs::read(path).unwrap_or_default();
-    Sha256::digest(&bytes)
-        .iter()
-        .take(16)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::config::hex(&Sha256::digest(&bytes)[..16])
 }
 
 impl TurnLoop {

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
@@ -35,30 +34,14 @@ async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::
         ..Delivery::default()
     };
     inbox.ingest("mira", "t", &[d("$1"), d("$2")]).unwrap();
-    let clients = [ClientConfig {
-        agent_id: "far-organ".into(),
-        public_key: key
-            .verifying_key()
-            .as_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
-        personas: vec!["mira".into()],
-        verbs: Verb::ALL.to_vec(),
-    }];
+    let clients = [ClientConfig::for_key(
+        "far-organ",
+        &key.verifying_key(),
+        &["mira"],
+        &Verb::ALL,
+    )];
     let mut ports = BTreeMap::new();
-    ports.insert(
-        "mira".to_owned(),
-        Port {
-            user_id: "@mira:l".into(),
-            max_pending: 1000,
-            mouth: None,
-            turn_requests: None,
-            signals: Arc::default(),
-            ear: None,
-            failed: None,
-        },
-    );
+    ports.insert("mira".to_owned(), Port::new("@mira:l", 1000));
     let service = Service::new(
         "gw-quic",
         GATEWAY_CONNECTION_ID,

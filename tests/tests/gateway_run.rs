@@ -18,11 +18,7 @@ use tests::synapse::Limits;
 
 /// A client's public key as the config wants it (64 hex digits).
 fn public_hex(key: &ed25519_dalek::SigningKey) -> String {
-    key.verifying_key()
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    gateway::config::hex(key.verifying_key().as_bytes())
 }
 
 /// Bodies vera sent in `room`, as `reader` sees them.

@@ -25,3 +25,11 @@ pub fn response(r: u64) -> Vec<Delivery> {
         })
         .collect()
 }
+
+/// A count from the environment variable `name`, or `default` when unset or not a number.
+pub fn env_count(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use clap::Subcommand;
 use ed25519_dalek::SigningKey;
 use gateway::client::{load_key, Client, ClientError, QuicClient};
+use gateway::config::hex;
 use serde::Serialize;
 use wire::docs::{
     ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
@@ -98,10 +99,6 @@ pub(crate) fn keygen(out: &Path, agent: &str) -> Result<(), Failure> {
         "# add to the gateway's config:\n[[cultnet.client]]\nagent_id = {agent:?}\npublic_key = \"{public}\"\npersonas = [\"*\"]"
     );
     Ok(())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn write_private(path: &Path, text: &str) -> std::io::Result<()> {

@@ -58,13 +58,8 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
                     p.id
                 );
                 Port {
-                    user_id: p.user_id.clone(),
-                    max_pending: p.limits.max_pending,
-                    mouth: None,
-                    turn_requests: None,
-                    signals: Arc::default(),
-                    ear: None,
                     failed: Some(format!("{e:#}")),
+                    ..Port::new(&p.user_id, p.limits.max_pending)
                 }
             }
         };
@@ -161,13 +156,10 @@ async fn start_persona(
     let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms);
     tasks.spawn(ear.run(stop.clone()));
     let mut port = Port {
-        user_id: p.user_id.clone(),
-        max_pending: p.limits.max_pending,
         mouth: Some(mouth.clone()),
-        turn_requests: None,
         signals: signals.clone(),
         ear: Some(ear_stats),
-        failed: None,
+        ..Port::new(&p.user_id, p.limits.max_pending)
     };
     if p.session.mode == SessionMode::Live {
         let s = &p.session;

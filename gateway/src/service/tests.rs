@@ -15,28 +15,14 @@ fn key(seed: u8) -> SigningKey {
     SigningKey::from_bytes(&[seed; 32])
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn client(agent: &str, seed: u8, personas: &[&str], verbs: &[Verb]) -> Client {
-    Client {
-        agent_id: agent.into(),
-        public_key: hex(key(seed).verifying_key().as_bytes()),
-        personas: personas.iter().map(|s| (*s).to_owned()).collect(),
-        verbs: verbs.to_vec(),
-    }
+    Client::for_key(agent, &key(seed).verifying_key(), personas, verbs)
 }
 
 fn port(trigger: Option<Arc<Notify>>) -> Port {
     Port {
-        user_id: "@mira:l".into(),
-        max_pending: 1000,
-        mouth: None,
         turn_requests: trigger,
-        signals: Arc::default(),
-        ear: None,
-        failed: None,
+        ..Port::new("@mira:l", 1000)
     }
 }
 

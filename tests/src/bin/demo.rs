@@ -53,12 +53,7 @@ async fn main() {
     );
     // A CultNet client (her heartbeat), let in by its pinned key.
     let heartbeat = ed25519_dalek::SigningKey::from_bytes(&[0x5e; 32]);
-    let public: String = heartbeat
-        .verifying_key()
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let public = gateway::config::hex(heartbeat.verifying_key().as_bytes());
     let session = format!(
         "{session}\n[[cultnet.client]]\nagent_id = \"heartbeat\"\npublic_key = \"{public}\"\npersonas = [\"vera\"]\nverbs = [\"status\", \"turn\"]\n"
     );
