@@ -12,6 +12,10 @@
 //! - `r` persona, room id -> the room's recent timeline (its last [`TIMELINE_CAP`] lines, for
 //!   context)
 //!
+//! - `n`, `i`, `l` persona, ... -> session notes waiting to be shown, note ids, the latest
+//!   note of each replacing kind ([`notes`])
+//! - `o` persona, seq -> her replies' extension fields waiting for a client ([`outbox`])
+//!
 //! and a tree `receipts`: persona, request id -> send receipt.
 //!
 //! [`Inbox::ingest`] stores one sync response's new deliveries and its next sync token as ONE
@@ -616,32 +620,14 @@ impl Inbox {
     /// it is refused and nothing changes. Flushed before it returns. A chunk is removed once
     /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
-        let c = self.counts(persona)?;
-        if through > c.highest {
-            return Err(InboxError::AckBeyondHighest {
-                through,
-                highest: c.highest,
-            });
-        }
-        if through <= c.acked_through {
-            return Ok(c);
-        }
         let mut ops = sled::Batch::default();
-        for k in self
-            .tree
-            .range(chunk_key(persona, 0)..=chunk_key(persona, through))
-            .keys()
-        {
-            ops.remove(k?);
+        let before = self.counts(persona)?;
+        let after = self.ack_ops(persona, through, &mut ops)?;
+        if after.acked_through > before.acked_through {
+            self.tree.apply_batch(ops)?;
+            self.db.flush()?;
         }
-        ops.insert(key(persona, b"acked"), &through.to_be_bytes());
-        self.tree.apply_batch(ops)?;
-        self.db.flush()?;
-        Ok(Counts {
-            highest: c.highest,
-            acked_through: through,
-            pending: c.highest - through,
-        })
+        Ok(after)
     }
 
     /// A session value of the Persona (`s:NAME` in the meta keys): session id, generation,
@@ -687,6 +673,12 @@ impl Inbox {
         Ok(())
     }
 }
+
+pub mod notes;
+pub mod outbox;
+
+pub use notes::{Note, NotePut};
+pub use outbox::{ExtensionPage, TurnCommit};
 
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@ macro_rules! contract {
 }
 
 /// Every contract: (schema id, JSON text). The ids are checked against `docs::ids` by tests.
-pub const CONTRACTS: [(&str, &str); 12] = [
+pub const CONTRACTS: [(&str, &str); 21] = [
     contract!("bifrost.persona_matrix_pending_request.v0"),
     contract!("bifrost.persona_matrix_pending_page.v0"),
     contract!("bifrost.persona_matrix_ack_request.v0"),
@@ -29,6 +29,15 @@ pub const CONTRACTS: [(&str, &str); 12] = [
     contract!("bifrost.matrix_gateway_status.v0"),
     contract!("bifrost.matrix_gateway_connect.v0"),
     contract!("bifrost.persona_matrix_delivery.v0"),
+    contract!("bifrost.persona_session_note_request.v0"),
+    contract!("bifrost.persona_session_note_receipt.v0"),
+    contract!("bifrost.persona_session_control_request.v0"),
+    contract!("bifrost.persona_session_control_receipt.v0"),
+    contract!("bifrost.persona_reply_extension_pending_request.v0"),
+    contract!("bifrost.persona_reply_extension_page.v0"),
+    contract!("bifrost.persona_reply_extension_ack_request.v0"),
+    contract!("bifrost.persona_reply_extension_ack_receipt.v0"),
+    contract!("bifrost.persona_reply_extension.v0"),
 ];
 
 /// `sha256:<hex>` of a schema's JSON text.
@@ -47,7 +56,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
     CONTRACTS
         .iter()
         .map(|(id, json)| {
-            let shared = *id == ids::DELIVERY;
+            let shared = *id == ids::DELIVERY || *id == ids::EXTENSION;
             let title = serde_json::from_str::<serde_json::Value>(json)
                 .ok()
                 .and_then(|v| v.get("title").and_then(|t| t.as_str()).map(str::to_owned));
@@ -260,6 +269,75 @@ mod tests {
                 })),
             ),
             (
+                ids::NOTE_REQUEST,
+                j(serde_json::to_value(NoteRequest {
+                    persona: "p".into(),
+                    note_id: "n".into(),
+                    kind: "state".into(),
+                    text: "t".into(),
+                    wake: true,
+                })),
+            ),
+            (
+                ids::NOTE_RECEIPT,
+                j(serde_json::to_value(NoteReceipt {
+                    persona: "p".into(),
+                    note_id: "n".into(),
+                    status: Status::Ok,
+                    duplicate: true,
+                    pending_notes: 1,
+                    error: Some("e".into()),
+                })),
+            ),
+            (
+                ids::CONTROL_REQUEST,
+                j(serde_json::to_value(ControlRequest {
+                    persona: "p".into(),
+                    action: ControlAction::Model,
+                    model: Some("m".into()),
+                })),
+            ),
+            (
+                ids::CONTROL_RECEIPT,
+                j(serde_json::to_value(ControlReceipt {
+                    persona: "p".into(),
+                    action: ControlAction::Reset,
+                    status: Status::Ok,
+                    session_id: Some("s".into()),
+                    previous_session_id: Some("o".into()),
+                    generation: 1,
+                    model: "m".into(),
+                    turns_total: 2,
+                    prefix_tokens: Some(3),
+                    error: Some("e".into()),
+                })),
+            ),
+            (
+                ids::EXTENSION_PENDING_REQUEST,
+                j(serde_json::to_value(ExtensionPendingRequest {
+                    persona: "p".into(),
+                    after_seq: 0,
+                    limit: Some(1),
+                })),
+            ),
+            (
+                ids::EXTENSION_ACK_REQUEST,
+                j(serde_json::to_value(ExtensionAckRequest {
+                    persona: "p".into(),
+                    through_seq: 1,
+                })),
+            ),
+            (
+                ids::EXTENSION_ACK_RECEIPT,
+                j(serde_json::to_value(ExtensionAckReceipt {
+                    persona: "p".into(),
+                    status: Status::Ok,
+                    through_seq: 1,
+                    pending_count: 0,
+                    error: Some("e".into()),
+                })),
+            ),
+            (
                 ids::CONNECT,
                 j(serde_json::to_value(ConnectPayload {
                     agent_id: "a".into(),
@@ -287,6 +365,32 @@ mod tests {
                 last_error: Some("e".into()),
             }],
         };
+        let ext = ReplyExtension {
+            seq: 1,
+            persona: "p".into(),
+            turn_id: "t".into(),
+            field: "start_self_run".into(),
+            value: serde_json::json!({"brief": "b"}),
+        };
+        agrees(
+            ids::EXTENSION,
+            &schema(ids::EXTENSION),
+            &j(serde_json::to_value(&ext)),
+        );
+        let page = ExtensionPage {
+            persona: "p".into(),
+            extensions: vec![ext],
+            through_seq: 1,
+            more: false,
+            pending_count: 1,
+        };
+        let pv = j(serde_json::to_value(&page));
+        agrees(ids::EXTENSION_PAGE, &schema(ids::EXTENSION_PAGE), &pv);
+        agrees(
+            "extension item",
+            &schema(ids::EXTENSION_PAGE)["properties"]["extensions"]["items"],
+            &pv["extensions"][0],
+        );
         let sv = j(serde_json::to_value(&status));
         agrees(ids::STATUS, &schema(ids::STATUS), &sv);
         agrees(
@@ -299,14 +403,14 @@ mod tests {
     #[test]
     fn every_document_id_has_a_contract() {
         let mut all: Vec<&str> = ids::PAIRS.iter().flat_map(|(a, b)| [*a, *b]).collect();
-        all.extend([ids::CONNECT, ids::DELIVERY]);
+        all.extend([ids::CONNECT, ids::DELIVERY, ids::EXTENSION]);
         for id in all {
             assert!(
                 CONTRACTS.iter().any(|(i, _)| *i == id),
                 "{id} has no contract file"
             );
         }
-        assert_eq!(CONTRACTS.len(), ids::PAIRS.len() * 2 + 2);
+        assert_eq!(CONTRACTS.len(), ids::PAIRS.len() * 2 + 3);
     }
 
     #[test]
@@ -334,7 +438,11 @@ mod tests {
             kinds: Some(vec!["shared_contract".into()]),
             ..Default::default()
         });
-        assert_eq!(shared.schemas.len(), 1);
-        assert_eq!(shared.schemas[0].schema_id, ids::DELIVERY);
+        let shared: Vec<&str> = shared
+            .schemas
+            .iter()
+            .map(|e| e.schema_id.as_str())
+            .collect();
+        assert_eq!(shared, [ids::DELIVERY, ids::EXTENSION]);
     }
 }

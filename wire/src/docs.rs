@@ -9,6 +9,10 @@
 //! | `bifrost.persona_matrix_send_request.v0` | `bifrost.persona_matrix_send_receipt.v0` |
 //! | `bifrost.persona_session_turn_request.v0` | `bifrost.persona_session_turn_receipt.v0` |
 //! | `bifrost.matrix_gateway_status_request.v0` | `bifrost.matrix_gateway_status.v0` |
+//! | `bifrost.persona_session_note_request.v0` | `bifrost.persona_session_note_receipt.v0` |
+//! | `bifrost.persona_session_control_request.v0` | `bifrost.persona_session_control_receipt.v0` |
+//! | `bifrost.persona_reply_extension_pending_request.v0` | `bifrost.persona_reply_extension_page.v0` |
+//! | `bifrost.persona_reply_extension_ack_request.v0` | `bifrost.persona_reply_extension_ack_receipt.v0` |
 //!
 //! The Connect payload of a CultNet client is a [`ConnectPayload`]
 //! (`bifrost.matrix_gateway_connect.v0`), signed with the client's pinned ed25519 key.
@@ -45,13 +49,36 @@ pub mod ids {
     pub const CONNECT: &str = "bifrost.matrix_gateway_connect.v0";
     /// The delivery record shared by pages (a shared contract, not a document).
     pub const DELIVERY: &str = "bifrost.persona_matrix_delivery.v0";
+    /// Append a note to her next batch.
+    pub const NOTE_REQUEST: &str = "bifrost.persona_session_note_request.v0";
+    /// Answer to a note.
+    pub const NOTE_RECEIPT: &str = "bifrost.persona_session_note_receipt.v0";
+    /// An operator's verb on her session (reset, compact, model, status).
+    pub const CONTROL_REQUEST: &str = "bifrost.persona_session_control_request.v0";
+    /// Answer to a session verb.
+    pub const CONTROL_RECEIPT: &str = "bifrost.persona_session_control_receipt.v0";
+    /// Page through her replies' extension fields.
+    pub const EXTENSION_PENDING_REQUEST: &str =
+        "bifrost.persona_reply_extension_pending_request.v0";
+    /// A page of extension fields.
+    pub const EXTENSION_PAGE: &str = "bifrost.persona_reply_extension_page.v0";
+    /// Acknowledge extension fields through a seq.
+    pub const EXTENSION_ACK_REQUEST: &str = "bifrost.persona_reply_extension_ack_request.v0";
+    /// Answer to an extension ack.
+    pub const EXTENSION_ACK_RECEIPT: &str = "bifrost.persona_reply_extension_ack_receipt.v0";
+    /// One extension field of one reply (a shared contract, not a document).
+    pub const EXTENSION: &str = "bifrost.persona_reply_extension.v0";
     /// Request -> receipt pairs.
-    pub const PAIRS: [(&str, &str); 5] = [
+    pub const PAIRS: [(&str, &str); 9] = [
         (PENDING_REQUEST, PENDING_PAGE),
         (ACK_REQUEST, ACK_RECEIPT),
         (SEND_REQUEST, SEND_RECEIPT),
         (TURN_REQUEST, TURN_RECEIPT),
         (STATUS_REQUEST, STATUS),
+        (NOTE_REQUEST, NOTE_RECEIPT),
+        (CONTROL_REQUEST, CONTROL_RECEIPT),
+        (EXTENSION_PENDING_REQUEST, EXTENSION_PAGE),
+        (EXTENSION_ACK_REQUEST, EXTENSION_ACK_RECEIPT),
     ];
 }
 
@@ -329,6 +356,225 @@ pub struct GatewayStatus {
     pub personas: Vec<PersonaStatus>,
 }
 
+/// Note kinds where a newer note replaces the older one: only the latest counts, and a fresh
+/// session is given the latest of each.
+pub const REPLACING_NOTE_KINDS: [&str; 4] = ["state", "campaigns", "spend", "runs"];
+/// The most bytes of text one note may carry.
+pub const MAX_NOTE_BYTES: usize = 16 * 1024;
+/// The longest note id or kind.
+pub const MAX_NOTE_ID: usize = 128;
+
+/// `bifrost.persona_session_note_request.v0`: a note for her next batch (her state, campaigns,
+/// spend, runs, or anything her Minds want her to know). Idempotent by `note_id`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NoteRequest {
+    /// Persona id.
+    pub persona: String,
+    /// Caller's id; a repeat is answered `ok` with `duplicate` and shown once.
+    pub note_id: String,
+    /// `state`, `campaigns`, `spend`, `runs` (each replaces the previous of its kind), or any
+    /// other short name (appended).
+    pub kind: String,
+    /// The note, at most [`MAX_NOTE_BYTES`].
+    pub text: String,
+    /// Give her a turn for this note alone (otherwise it waits for her next batch).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub wake: bool,
+}
+
+impl NoteRequest {
+    /// Why the note is refused, when it is: an empty or overlong id or kind, a kind that is
+    /// not a plain name, an empty or oversized text.
+    pub fn check(&self) -> Result<(), String> {
+        if self.note_id.trim().is_empty() || self.note_id.len() > MAX_NOTE_ID {
+            return Err(format!(
+                "noteId must be 1 to {MAX_NOTE_ID} bytes (it makes the note idempotent)"
+            ));
+        }
+        let plain = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-';
+        if self.kind.is_empty() || self.kind.len() > 32 || !self.kind.chars().all(plain) {
+            return Err(format!(
+                "kind {:?} must be 1 to 32 of a-z, 0-9, _ and -",
+                self.kind
+            ));
+        }
+        if self.text.trim().is_empty() {
+            return Err("the note's text is empty".into());
+        }
+        if self.text.len() > MAX_NOTE_BYTES {
+            return Err(format!(
+                "the note is {} bytes; at most {MAX_NOTE_BYTES} are taken (send a summary, or \
+                 split it into notes of other kinds)",
+                self.text.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a newer note of this kind replaces this one.
+    pub fn replacing(&self) -> bool {
+        REPLACING_NOTE_KINDS.contains(&self.kind.as_str())
+    }
+}
+
+/// `bifrost.persona_session_note_receipt.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NoteReceipt {
+    /// Persona id.
+    pub persona: String,
+    /// The note's id.
+    pub note_id: String,
+    /// Outcome (ok = stored durably; she sees it with her next batch).
+    pub status: Status,
+    /// The note was stored before (this repeat changed nothing).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub duplicate: bool,
+    /// Notes waiting for her next batch, this one included.
+    pub pending_notes: u64,
+    /// Why, when not ok.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What an operator asks of her session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlAction {
+    /// Report her session (id, generation, model, turns).
+    #[default]
+    Status,
+    /// Start a fresh session at the next turn boundary (the old one stays resumable on disk).
+    Reset,
+    /// Compact her conversation (the CLI's `/compact`) at the next turn boundary.
+    Compact,
+    /// Switch to `model` (a fresh session: the cache is per model); kept across restarts.
+    Model,
+    /// An action a newer gateway knows and this one does not.
+    #[serde(other)]
+    Unknown,
+}
+
+/// `bifrost.persona_session_control_request.v0`: applied at her next turn boundary, never
+/// during a turn; the receipt comes once it is applied.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ControlRequest {
+    /// Persona id.
+    pub persona: String,
+    /// What to do.
+    pub action: ControlAction,
+    /// The model, for `model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// `bifrost.persona_session_control_receipt.v0`: her session after the action.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ControlReceipt {
+    /// Persona id.
+    pub persona: String,
+    /// The action.
+    pub action: ControlAction,
+    /// Outcome.
+    pub status: Status,
+    /// Her session id (absent until the next turn after a reset or a model switch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// The session before a reset or model switch (still resumable by this id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_session_id: Option<String>,
+    /// Session generation (one more per fresh start).
+    pub generation: u64,
+    /// Her model.
+    pub model: String,
+    /// Turns taken in all.
+    pub turns_total: u64,
+    /// Prompt tokens of her last turn (what a compaction shrinks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_tokens: Option<u64>,
+    /// Why, when not ok.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// `bifrost.persona_reply_extension.v0`: one extension field of one of her replies, kept in a
+/// durable outbox until a client acknowledges it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplyExtension {
+    /// Per-Persona outbox seq: monotonic, never reused.
+    pub seq: u64,
+    /// Persona id.
+    pub persona: String,
+    /// The turn that produced it (stable across retries of that turn).
+    pub turn_id: String,
+    /// The reply's top-level field (e.g. `start_self_run`, `remember`).
+    pub field: String,
+    /// Its value, as she gave it.
+    pub value: serde_json::Value,
+}
+
+/// `bifrost.persona_reply_extension_pending_request.v0`: extension fields after `after_seq`,
+/// not consumed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionPendingRequest {
+    /// Persona id.
+    pub persona: String,
+    /// Only fields with seq greater than this.
+    pub after_seq: u64,
+    /// At most this many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// `bifrost.persona_reply_extension_page.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionPage {
+    /// Persona id.
+    pub persona: String,
+    /// In seq order.
+    pub extensions: Vec<ReplyExtension>,
+    /// The last seq this page covers (the request's `afterSeq` when empty).
+    pub through_seq: u64,
+    /// More follow.
+    pub more: bool,
+    /// Extension fields pending in all.
+    pub pending_count: u64,
+}
+
+/// `bifrost.persona_reply_extension_ack_request.v0`: everything through `through_seq` is
+/// handled.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionAckRequest {
+    /// Persona id.
+    pub persona: String,
+    /// Acknowledge every field with seq <= this.
+    pub through_seq: u64,
+}
+
+/// `bifrost.persona_reply_extension_ack_receipt.v0`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionAckReceipt {
+    /// Persona id.
+    pub persona: String,
+    /// Outcome.
+    pub status: Status,
+    /// Acknowledged through this seq.
+    pub through_seq: u64,
+    /// Fields still pending.
+    pub pending_count: u64,
+    /// Why, when not ok.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A request document, decoded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -343,6 +589,14 @@ pub enum Request {
     Turn(TurnRequest),
     /// Status.
     Status(StatusRequest),
+    /// A note for her next batch.
+    Note(NoteRequest),
+    /// A verb on her session.
+    Control(ControlRequest),
+    /// Page through her replies' extension fields.
+    ExtensionPending(ExtensionPendingRequest),
+    /// Acknowledge extension fields.
+    ExtensionAck(ExtensionAckRequest),
 }
 
 impl Request {
@@ -355,6 +609,10 @@ impl Request {
             ids::SEND_REQUEST => Self::Send(doc.payload_as()?),
             ids::TURN_REQUEST => Self::Turn(doc.payload_as()?),
             ids::STATUS_REQUEST => Self::Status(doc.payload_as()?),
+            ids::NOTE_REQUEST => Self::Note(doc.payload_as()?),
+            ids::CONTROL_REQUEST => Self::Control(doc.payload_as()?),
+            ids::EXTENSION_PENDING_REQUEST => Self::ExtensionPending(doc.payload_as()?),
+            ids::EXTENSION_ACK_REQUEST => Self::ExtensionAck(doc.payload_as()?),
             other => return Err(MsgError::UnknownSchemaVersion(other.to_owned())),
         })
     }
@@ -367,6 +625,10 @@ impl Request {
             Self::Send(_) => ids::SEND_RECEIPT,
             Self::Turn(_) => ids::TURN_RECEIPT,
             Self::Status(_) => ids::STATUS,
+            Self::Note(_) => ids::NOTE_RECEIPT,
+            Self::Control(_) => ids::CONTROL_RECEIPT,
+            Self::ExtensionPending(_) => ids::EXTENSION_PAGE,
+            Self::ExtensionAck(_) => ids::EXTENSION_ACK_RECEIPT,
         }
     }
 
@@ -378,6 +640,10 @@ impl Request {
             Self::Send(r) => Some(&r.persona),
             Self::Turn(r) => Some(&r.persona),
             Self::Status(r) => r.persona.as_deref(),
+            Self::Note(r) => Some(&r.persona),
+            Self::Control(r) => Some(&r.persona),
+            Self::ExtensionPending(r) => Some(&r.persona),
+            Self::ExtensionAck(r) => Some(&r.persona),
         }
     }
 }
@@ -672,5 +938,72 @@ mod tests {
         }
         let back = Message::decode(&Message::Hello(h.clone()).encode()).unwrap();
         assert_eq!(back, Message::Hello(h));
+    }
+
+    #[test]
+    fn notes_are_checked_and_extensions_keep_any_json_value() {
+        let ok = NoteRequest {
+            persona: "ada".into(),
+            note_id: "n-1".into(),
+            kind: "state".into(),
+            text: "mood: calm".into(),
+            wake: false,
+        };
+        assert_eq!(ok.check(), Ok(()));
+        assert!(ok.replacing());
+        let other = NoteRequest {
+            kind: "heads-up".into(),
+            ..ok.clone()
+        };
+        assert_eq!(other.check(), Ok(()));
+        assert!(!other.replacing());
+        let big = NoteRequest {
+            text: "x".repeat(MAX_NOTE_BYTES + 1),
+            ..ok.clone()
+        };
+        assert!(big.check().unwrap_err().contains("16385 bytes"));
+        assert!(NoteRequest {
+            text: "x".repeat(MAX_NOTE_BYTES),
+            ..ok.clone()
+        }
+        .check()
+        .is_ok());
+        for bad_kind in ["", "State", "a b", "## notes", &"k".repeat(33)] {
+            let n = NoteRequest {
+                kind: bad_kind.into(),
+                ..ok.clone()
+            };
+            assert!(n.check().is_err(), "{bad_kind:?} passed");
+        }
+        for bad_id in ["", " ", &"i".repeat(MAX_NOTE_ID + 1)] {
+            let n = NoteRequest {
+                note_id: bad_id.into(),
+                ..ok.clone()
+            };
+            assert!(n.check().unwrap_err().contains("noteId"));
+        }
+        assert!(NoteRequest {
+            text: "  ".into(),
+            ..ok.clone()
+        }
+        .check()
+        .is_err());
+
+        let ext = ReplyExtension {
+            seq: 3,
+            persona: "ada".into(),
+            turn_id: "turn:ada:1-2".into(),
+            field: "remember".into(),
+            value: serde_json::json!([{"text": "x", "weight": 0.5, "n": -3, "ok": true, "z": null}]),
+        };
+        let bytes = rmp_serde::to_vec_named(&ext).unwrap();
+        let back: ReplyExtension = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back, ext);
+        let c: ControlRequest = rmp_serde::from_slice(
+            &rmp_serde::to_vec_named(&serde_json::json!({"persona": "ada", "action": "explode"}))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(c.action, ControlAction::Unknown);
     }
 }

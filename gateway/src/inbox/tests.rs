@@ -551,3 +551,183 @@ fn an_inbox_of_the_first_layout_is_converted_with_nothing_lost() {
     inbox.ack("p", 4).unwrap();
     assert_eq!(inbox.counts("p").unwrap().pending, 0);
 }
+
+fn note(id: &str, kind: &str, text: &str) -> wire::docs::NoteRequest {
+    wire::docs::NoteRequest {
+        persona: "mira".into(),
+        note_id: id.into(),
+        kind: kind.into(),
+        text: text.into(),
+        wake: false,
+    }
+}
+
+fn note_texts(inbox: &Inbox) -> Vec<String> {
+    inbox
+        .pending_notes("mira")
+        .unwrap()
+        .into_iter()
+        .map(|n| n.text)
+        .collect()
+}
+
+#[test]
+fn notes_are_idempotent_replace_their_kind_and_survive_reopening() {
+    let path = dir("notes");
+    let inbox = Inbox::open(&path).unwrap();
+    let put = inbox.put_note(&note("a", "state", "calm"), 1).unwrap();
+    assert_eq!((put.duplicate, put.pending), (false, 1));
+    inbox
+        .put_note(&note("b", "heads-up", "ops at 9"), 2)
+        .unwrap();
+    // The same id again (even with other text) changes nothing.
+    let again = inbox.put_note(&note("a", "state", "changed"), 3).unwrap();
+    assert_eq!((again.duplicate, again.pending), (true, 2));
+    // A newer state replaces the waiting one; other kinds are appended.
+    let newer = inbox.put_note(&note("c", "state", "tired"), 4).unwrap();
+    assert_eq!(newer.pending, 2);
+    inbox.put_note(&note("d", "heads-up", "lunch"), 5).unwrap();
+    assert_eq!(note_texts(&inbox), ["ops at 9", "tired", "lunch"]);
+    assert_eq!(
+        inbox.latest_notes("mira").unwrap(),
+        [("state".to_owned(), "tired".to_owned())]
+    );
+    assert!(inbox.pending_notes("other").unwrap().is_empty());
+    drop(inbox);
+
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(note_texts(&inbox), ["ops at 9", "tired", "lunch"]);
+    let seqs: Vec<u64> = inbox
+        .pending_notes("mira")
+        .unwrap()
+        .iter()
+        .map(|n| n.seq)
+        .collect();
+    assert_eq!(seqs, [2, 3, 4], "a replaced note keeps its seq unused");
+    // Shown notes are gone; their ids still make a repeat a duplicate.
+    inbox
+        .commit_turn(
+            "mira",
+            &TurnCommit {
+                notes_shown: &seqs[..2],
+                turn_id: "t",
+                ..TurnCommit::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(note_texts(&inbox), ["lunch"]);
+    assert!(
+        inbox
+            .put_note(&note("b", "heads-up", "x"), 6)
+            .unwrap()
+            .duplicate
+    );
+    // A state after the shown one is new mail for her, and the latest.
+    inbox.put_note(&note("e", "state", "rested"), 7).unwrap();
+    assert_eq!(note_texts(&inbox), ["lunch", "rested"]);
+    assert_eq!(inbox.latest_notes("mira").unwrap()[0].1, "rested");
+}
+
+#[test]
+fn a_turn_commits_its_ack_notes_and_extensions_together() {
+    let path = dir("outbox");
+    let inbox = Inbox::open(&path).unwrap();
+    inbox
+        .ingest("mira", "t1", &[d("$1", "a"), d("$2", "b"), d("$3", "c")])
+        .unwrap();
+    inbox
+        .put_note(&note("n1", "runs", "run 7 done"), 1)
+        .unwrap();
+    let shown: Vec<u64> = inbox
+        .pending_notes("mira")
+        .unwrap()
+        .iter()
+        .map(|n| n.seq)
+        .collect();
+    let fields = vec![
+        (
+            "start_self_run".to_owned(),
+            serde_json::json!({"brief": "tidy the wiki"}),
+        ),
+        ("remember".to_owned(), serde_json::json!([{"text": "x"}])),
+    ];
+    // An ack beyond the highest seq refuses the whole commit: nothing changes.
+    let bad = inbox.commit_turn(
+        "mira",
+        &TurnCommit {
+            ack_through: Some(9),
+            notes_shown: &shown,
+            turn_id: "turn:mira:1-9",
+            extensions: &fields,
+        },
+    );
+    assert!(matches!(bad, Err(InboxError::AckBeyondHighest { .. })));
+    assert_eq!(inbox.pending_notes("mira").unwrap().len(), 1);
+    assert_eq!(
+        inbox
+            .pending_extensions("mira", 0, 10)
+            .unwrap()
+            .pending_count,
+        0
+    );
+
+    let c = inbox
+        .commit_turn(
+            "mira",
+            &TurnCommit {
+                ack_through: Some(2),
+                notes_shown: &shown,
+                turn_id: "turn:mira:1-2",
+                extensions: &fields,
+            },
+        )
+        .unwrap();
+    assert_eq!((c.acked_through, c.pending), (2, 1));
+    assert!(inbox.pending_notes("mira").unwrap().is_empty());
+    drop(inbox);
+
+    let inbox = Inbox::open(&path).unwrap();
+    let page = inbox.pending_extensions("mira", 0, 1).unwrap();
+    assert_eq!(page.extensions.len(), 1);
+    assert_eq!(page.extensions[0].field, "start_self_run");
+    assert_eq!(page.extensions[0].turn_id, "turn:mira:1-2");
+    assert_eq!(page.extensions[0].value["brief"], "tidy the wiki");
+    assert!(page.more);
+    assert_eq!(page.pending_count, 2);
+    // Pages do not consume; acks do, idempotently, and not beyond the highest.
+    let all = inbox.pending_extensions("mira", 0, 10).unwrap();
+    assert_eq!(all.extensions.len(), 2);
+    assert!(!all.more);
+    assert!(matches!(
+        inbox.ack_extensions("mira", 3),
+        Err(InboxError::AckBeyondHighest {
+            through: 3,
+            highest: 2
+        })
+    ));
+    assert_eq!(inbox.ack_extensions("mira", 1).unwrap(), 1);
+    assert_eq!(inbox.ack_extensions("mira", 1).unwrap(), 1);
+    let rest = inbox.pending_extensions("mira", 0, 10).unwrap();
+    assert_eq!(rest.extensions[0].seq, 2);
+    assert_eq!(rest.extensions[0].value, serde_json::json!([{"text": "x"}]));
+    assert_eq!(inbox.ack_extensions("mira", 2).unwrap(), 0);
+    let none = inbox.pending_extensions("mira", 0, 10).unwrap();
+    assert!(none.extensions.is_empty() && !none.more && none.pending_count == 0);
+    // The next turn's fields continue the seqs.
+    inbox
+        .commit_turn(
+            "mira",
+            &TurnCommit {
+                ack_through: Some(3),
+                turn_id: "turn:mira:3-3",
+                extensions: &fields[1..],
+                ..TurnCommit::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        inbox.pending_extensions("mira", 0, 10).unwrap().extensions[0].seq,
+        3
+    );
+    assert_eq!(inbox.counts("mira").unwrap().pending, 0);
+}
