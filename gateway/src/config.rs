@@ -134,6 +134,12 @@ pub struct SessionConfig {
     /// The model's context window in tokens: the refresh policy compacts or starts fresh well
     /// before the CLI's own limit (window - 23k).
     pub context_window: u64,
+    /// Her initial state: a new session (her first, or a fresh start) is given it until a
+    /// `state` note replaces it.
+    pub state_file: Option<PathBuf>,
+    /// Extra top-level fields of her reply (a JSON object `{"properties": {...}, "required":
+    /// [...]}`); every such field of a reply goes to the extension outbox for CultNet clients.
+    pub reply_schema_file: Option<PathBuf>,
 }
 
 impl Default for SessionConfig {
@@ -152,6 +158,8 @@ impl Default for SessionConfig {
             turn_timeout_secs: 300,
             max_batch: 20,
             context_window: 200_000,
+            state_file: None,
+            reply_schema_file: None,
         }
     }
 }
@@ -243,16 +251,25 @@ pub enum Verb {
     Turn,
     /// Read the gateway's status.
     Status,
+    /// Append a note to her next batch.
+    Note,
+    /// Pull and acknowledge her replies' extension fields.
+    Extensions,
+    /// Reset, compact, switch the model of, or report her session (operators).
+    Session,
 }
 
 impl Verb {
     /// Every verb (a client's default).
-    pub const ALL: [Verb; 5] = [
+    pub const ALL: [Verb; 8] = [
         Verb::Pending,
         Verb::Ack,
         Verb::Send,
         Verb::Turn,
         Verb::Status,
+        Verb::Note,
+        Verb::Extensions,
+        Verb::Session,
     ];
 }
 
@@ -577,6 +594,33 @@ impl Persona {
 }
 
 impl SessionConfig {
+    /// Her reply schema: the base one plus `reply_schema_file`'s fields (checked).
+    pub fn reply_schema(&self, persona: &str) -> Result<session::render::ReplySchema, ConfigError> {
+        let who = Some(persona);
+        let ext = match &self.reply_schema_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    err(
+                        who,
+                        "session.reply_schema_file",
+                        format!("cannot read {}: {e}", path.display()),
+                    )
+                })?;
+                let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                    err(
+                        who,
+                        "session.reply_schema_file",
+                        format!("{} is not JSON: {e}", path.display()),
+                    )
+                })?;
+                Some(v)
+            }
+            None => None,
+        };
+        session::render::ReplySchema::new(ext.as_ref())
+            .map_err(|e| err(who, "session.reply_schema_file", e.to_string()))
+    }
+
     /// Reads the model API key (a file readable by group or others is refused).
     pub fn load_api_key(&self, persona: &str) -> Result<Secret, ConfigError> {
         let who = Some(persona);

@@ -29,8 +29,8 @@ use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch, Notify};
 use wire::docs::{
-    ids, AckReceipt, AuthError, ConnectPayload, GatewayStatus, PersonaStatus, Request, SendReceipt,
-    Status, TurnReceipt,
+    ids, AckReceipt, AuthError, ConnectPayload, ControlReceipt, ExtensionAckReceipt, GatewayStatus,
+    NoteReceipt, PersonaStatus, Request, SendReceipt, Status, TurnReceipt,
 };
 use wire::hub::HubEvent;
 use wire::msg::{ErrorMsg, Message, Put, RawDocument};
@@ -85,6 +85,8 @@ pub struct Port {
     pub mouth: Option<Mouth>,
     /// Her turn loop's trigger (absent when her session is off).
     pub turn_requests: Option<Arc<Notify>>,
+    /// Her turn loop's verbs (absent when her session is off).
+    pub controls: Option<mpsc::Sender<crate::turns::Control>>,
     /// Her signals (acks wake her ear when it holds back).
     pub signals: Arc<Signals>,
     /// Her ear's counters.
@@ -102,6 +104,7 @@ impl Port {
             max_pending,
             mouth: None,
             turn_requests: None,
+            controls: None,
             signals: Arc::default(),
             ear: None,
             failed: None,
@@ -132,6 +135,16 @@ pub enum Answer {
         request: wire::docs::SendRequest,
         /// Her mouth.
         mouth: Mouth,
+    },
+    /// A session verb queued for her turn loop; its receipt goes back under `record_key` once
+    /// it is applied (at her next turn boundary).
+    Control {
+        /// The request document's record key.
+        record_key: String,
+        /// The persona (for a receipt when the loop is gone).
+        request: wire::docs::ControlRequest,
+        /// Where the receipt comes from.
+        receipt: tokio::sync::oneshot::Receiver<ControlReceipt>,
     },
     /// A read receipt for the last acknowledged event.
     ReadReceipt {
@@ -430,6 +443,10 @@ impl Service {
                 let status = self.status(&personas);
                 vec![self.receipt(ids::STATUS, &key, &status)]
             }
+            Request::Note(r) => self.note(&key, r),
+            Request::Control(r) => self.control(&key, r),
+            Request::ExtensionPending(r) => self.extension_page(&key, r),
+            Request::ExtensionAck(r) => self.extension_ack(&key, r),
             _ => vec![error(format!("request {key:?}: not supported"))],
         }
     }
@@ -496,6 +513,9 @@ impl Service {
             Request::Send(_) => Verb::Send,
             Request::Turn(_) => Verb::Turn,
             Request::Status(_) => Verb::Status,
+            Request::Note(_) => Verb::Note,
+            Request::Control(_) => Verb::Session,
+            Request::ExtensionPending(_) | Request::ExtensionAck(_) => Verb::Extensions,
             _ => return Err("unknown request".into()),
         };
         if !client.verbs.contains(&verb) {
@@ -552,8 +572,159 @@ impl Service {
                     ..TurnReceipt::default()
                 },
             ),
+            Request::Note(r) => self.receipt(
+                ids::NOTE_RECEIPT,
+                key,
+                &NoteReceipt {
+                    persona: r.persona.clone(),
+                    note_id: r.note_id.clone(),
+                    status: Status::Rejected,
+                    error: Some(why),
+                    ..NoteReceipt::default()
+                },
+            ),
+            Request::Control(r) => self.receipt(
+                ids::CONTROL_RECEIPT,
+                key,
+                &ControlReceipt {
+                    persona: r.persona.clone(),
+                    action: r.action,
+                    status: Status::Rejected,
+                    error: Some(why),
+                    ..ControlReceipt::default()
+                },
+            ),
+            Request::ExtensionAck(r) => self.receipt(
+                ids::EXTENSION_ACK_RECEIPT,
+                key,
+                &ExtensionAckReceipt {
+                    persona: r.persona.clone(),
+                    status: Status::Rejected,
+                    through_seq: r.through_seq,
+                    error: Some(why),
+                    ..ExtensionAckReceipt::default()
+                },
+            ),
             _ => error(format!("request {key:?}: {why}")),
         }
+    }
+
+    /// A note for her next batch: checked, stored durably, and with `wake` her turn loop woken.
+    fn note(&mut self, key: &str, r: wire::docs::NoteRequest) -> Vec<Answer> {
+        let trigger = self
+            .ports
+            .get(&r.persona)
+            .and_then(|p| p.turn_requests.clone());
+        let Some(trigger) = trigger else {
+            let why = "her session is off (mouth-only): notes reach only a live session".to_owned();
+            return vec![self.refusal(&Request::Note(r), key, why)];
+        };
+        if let Err(why) = r.check() {
+            return vec![self.refusal(&Request::Note(r), key, why)];
+        }
+        let receipt = match self.inbox.put_note(&r, crate::ear::unix_ms()) {
+            Ok(put) => {
+                tracing::info!(persona = %r.persona, note = %r.note_id, kind = %r.kind, wake = r.wake, duplicate = put.duplicate, "note stored");
+                if r.wake && !put.duplicate {
+                    trigger.notify_one();
+                }
+                NoteReceipt {
+                    persona: r.persona,
+                    note_id: r.note_id,
+                    status: Status::Ok,
+                    duplicate: put.duplicate,
+                    pending_notes: put.pending,
+                    error: None,
+                }
+            }
+            Err(e) => NoteReceipt {
+                persona: r.persona,
+                note_id: r.note_id,
+                status: Status::Failed,
+                error: Some(format!("inbox: {e}")),
+                ..NoteReceipt::default()
+            },
+        };
+        vec![self.receipt(ids::NOTE_RECEIPT, key, &receipt)]
+    }
+
+    /// A session verb: queued for her turn loop, answered once applied.
+    fn control(&mut self, key: &str, r: wire::docs::ControlRequest) -> Vec<Answer> {
+        let Some(controls) = self.ports.get(&r.persona).and_then(|p| p.controls.clone()) else {
+            let why = "her session is off (mouth-only): there is no session to act on".to_owned();
+            return vec![self.refusal(&Request::Control(r), key, why)];
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let failed = |why: &str| ControlReceipt {
+            persona: r.persona.clone(),
+            action: r.action,
+            status: Status::Failed,
+            error: Some(why.to_owned()),
+            ..ControlReceipt::default()
+        };
+        match controls.try_send(crate::turns::Control {
+            request: r.clone(),
+            reply: tx,
+        }) {
+            Ok(()) => vec![Answer::Control {
+                record_key: key.to_owned(),
+                request: r,
+                receipt: rx,
+            }],
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                let receipt = failed("her session has too many verbs waiting; retry later");
+                vec![self.receipt(ids::CONTROL_RECEIPT, key, &receipt)]
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                let receipt = failed("her turn loop is not running");
+                vec![self.receipt(ids::CONTROL_RECEIPT, key, &receipt)]
+            }
+        }
+    }
+
+    fn extension_page(&mut self, key: &str, r: wire::docs::ExtensionPendingRequest) -> Vec<Answer> {
+        let limit = r.limit.unwrap_or(DEFAULT_PAGE).clamp(1, MAX_PAGE) as usize;
+        match self
+            .inbox
+            .pending_extensions(&r.persona, r.after_seq, limit)
+        {
+            Ok(page) => vec![self.receipt(
+                ids::EXTENSION_PAGE,
+                key,
+                &wire::docs::ExtensionPage {
+                    persona: r.persona,
+                    extensions: page.extensions,
+                    through_seq: page.through_seq,
+                    more: page.more,
+                    pending_count: page.pending_count,
+                },
+            )],
+            Err(e) => vec![error(format!("request {key:?}: inbox: {e}"))],
+        }
+    }
+
+    fn extension_ack(&mut self, key: &str, r: wire::docs::ExtensionAckRequest) -> Vec<Answer> {
+        let receipt = match self.inbox.ack_extensions(&r.persona, r.through_seq) {
+            Ok(pending_count) => ExtensionAckReceipt {
+                persona: r.persona,
+                status: Status::Ok,
+                through_seq: r.through_seq,
+                pending_count,
+                error: None,
+            },
+            Err(e) => ExtensionAckReceipt {
+                status: if matches!(e, crate::inbox::InboxError::AckBeyondHighest { .. }) {
+                    Status::Rejected
+                } else {
+                    Status::Failed
+                },
+                persona: r.persona,
+                through_seq: r.through_seq,
+                pending_count: 0,
+                error: Some(e.to_string()),
+            },
+        };
+        vec![self.receipt(ids::EXTENSION_ACK_RECEIPT, key, &receipt)]
     }
 
     /// The gateway's status for these Personas.
@@ -844,6 +1015,25 @@ async fn run_answer(
                 let receipt = mouth.send(&request).await;
                 drop(permit);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
+                sink.send(bytes).await;
+            });
+        }
+        Answer::Control {
+            record_key,
+            request,
+            receipt,
+        } => {
+            let sink = sink.clone();
+            let runtime_id = runtime_id.to_owned();
+            tokio::spawn(async move {
+                let receipt = receipt.await.unwrap_or_else(|_| ControlReceipt {
+                    persona: request.persona,
+                    action: request.action,
+                    status: Status::Failed,
+                    error: Some("her turn loop stopped before applying it".into()),
+                    ..ControlReceipt::default()
+                });
+                let bytes = receipt_bytes(&runtime_id, ids::CONTROL_RECEIPT, &record_key, &receipt);
                 sink.send(bytes).await;
             });
         }

@@ -19,6 +19,15 @@
 //!   start when it does not compact); a fresh start gives the new session the last lines of her
 //!   rooms; keep-warm refreshes the cache with a forked,
 //!   unpersisted request; an idle process is evicted (its session stays resumable).
+//! - Notes from her Minds (`inbox::notes`) ride with her next batch in their labelled section;
+//!   a note with `wake` gets a turn of its own. A new session (her first, or a fresh start) is
+//!   given the latest note of each replacing kind (or her `state_file`). After a restart of the
+//!   gateway or of her process, her first batch says so, how long since her last turn, and
+//!   whether her session was resumed.
+//! - A turn ends with one inbox commit: its deliveries acked, the notes it showed removed, and
+//!   her reply's extension fields queued for CultNet clients.
+//! - Operators' verbs (reset, compact, model, status) arrive on a channel and are applied only
+//!   between turns; their receipt goes back once applied.
 //! - Each turn's telemetry is written to `STATE/personas/ID/status.json` (last 50 turns).
 
 use std::collections::{BTreeMap, VecDeque};
@@ -30,14 +39,14 @@ use serde::Serialize;
 use session::cost::Prices;
 use session::driver::{Cli, CliConfig, DriverError, Turn};
 use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
-use session::render::{self, Seen};
+use session::render::{self, Note, ReplySchema, Seen};
 use sha2::{Digest, Sha256};
-use tokio::sync::{watch, Notify};
-use wire::docs::{Delivery, SendRequest, Status};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use wire::docs::{ControlAction, ControlReceipt, ControlRequest, Delivery, SendRequest, Status};
 
 use crate::config::Persona;
 use crate::ear::Signals;
-use crate::inbox::{Inbox, InboxError};
+use crate::inbox::{Inbox, InboxError, TurnCommit};
 use crate::matrix::Backoff;
 use crate::mouth::Mouth;
 
@@ -45,6 +54,18 @@ use crate::mouth::Mouth;
 pub const ATTEMPTS: u32 = 3;
 /// Turns kept in the status file.
 pub const TELEMETRY_KEPT: usize = 50;
+
+/// Operators' verbs waiting at most (a full queue answers `failed` at once).
+pub const CONTROL_QUEUE: usize = 16;
+
+/// An operator's verb for her turn loop, and where its receipt goes once applied.
+#[derive(Debug)]
+pub struct Control {
+    /// The verb.
+    pub request: ControlRequest,
+    /// The receipt.
+    pub reply: oneshot::Sender<ControlReceipt>,
+}
 
 /// Why a round of turns stopped early (the batch stays pending and is retried).
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +115,10 @@ pub struct TurnRecord {
     pub cli_cost_usd: f64,
     /// Says sent.
     pub says: usize,
+    /// Notes shown.
+    pub notes: usize,
+    /// Extension fields queued.
+    pub extensions: usize,
     /// The policy's decision before the turn.
     pub decision: String,
     /// Billed cost by the price table (dollars).
@@ -113,6 +138,12 @@ struct StatusFile {
     #[serde(default)]
     compactions: u64,
     turns: VecDeque<TurnRecord>,
+    /// Her model (the configured one, or the last operator's switch).
+    #[serde(default)]
+    model: String,
+    /// Sessions before a reset or model switch, newest last (each still resumable).
+    #[serde(default)]
+    previous_sessions: Vec<String>,
 }
 
 /// A Persona's turn loop.
@@ -123,10 +154,17 @@ pub struct TurnLoop {
     signals: Arc<Signals>,
     /// Turn requests (from CultNet clients or tools).
     pub turn_requests: Arc<Notify>,
+    /// Operators' verbs (from CultNet clients with the `session` verb).
+    pub controls: mpsc::Sender<Control>,
+    control_rx: mpsc::Receiver<Control>,
     base: CliConfig,
+    schema: Arc<ReplySchema>,
     cli: Option<Cli>,
     seen: Seen,
+    /// The correction after a bad reply, for the next batch.
     note: Option<String>,
+    /// Why the next batch must say she was restarted (`gateway` or `process`).
+    restarted: Option<&'static str>,
     prompt_hash: String,
     status_path: PathBuf,
     status: StatusFile,
@@ -151,15 +189,22 @@ fn hash_file(path: &std::path::Path) -> String {
 }
 
 impl TurnLoop {
-    /// A turn loop for `persona`; `base` is her CLI configuration without a session.
+    /// A turn loop for `persona`; `base` is her CLI configuration without a session, and
+    /// `schema` her reply schema (`base.json_schema` is set from it).
     pub fn new(
         persona: Persona,
         inbox: Inbox,
         mouth: Mouth,
         signals: Arc<Signals>,
-        base: CliConfig,
+        mut base: CliConfig,
+        schema: ReplySchema,
         state_dir: &std::path::Path,
     ) -> Result<Self, InboxError> {
+        base.json_schema = schema.text();
+        // An operator's model switch outlives restarts.
+        if let Some(model) = inbox.session_value(&persona.id, "model")? {
+            base.model = model;
+        }
         let generation = inbox
             .session_value(&persona.id, "generation")?
             .and_then(|g| g.parse().ok())
@@ -180,7 +225,12 @@ impl TurnLoop {
             turns_total: earlier.turns_total,
             compactions: earlier.compactions,
             turns: earlier.turns,
+            model: base.model.clone(),
+            previous_sessions: earlier.previous_sessions,
         };
+        // She has had turns before: her first batch in this run says she was restarted.
+        let restarted = (status.turns_total > 0).then_some("gateway");
+        let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         Ok(Self {
             telemetry: Telemetry::default(),
@@ -198,10 +248,14 @@ impl TurnLoop {
             mouth,
             signals,
             turn_requests: Arc::new(Notify::new()),
+            controls,
+            control_rx,
             base,
+            schema: Arc::new(schema),
             cli: None,
             seen: Seen::default(),
             note: None,
+            restarted,
             status,
         })
     }
@@ -245,6 +299,7 @@ impl TurnLoop {
                 tokio::select! {
                     _ = self.signals.mail.notified() => break false,
                     _ = self.turn_requests.notified() => break true,
+                    Some(c) = self.control_rx.recv() => self.apply_control(c).await,
                     _ = stop.changed() => return self.shutdown().await,
                     _ = sleep => {
                         self.fired = at;
@@ -329,18 +384,27 @@ impl TurnLoop {
             .unwrap_or(false)
     }
 
-    /// Runs turns until nothing is pending.
+    /// Runs turns until nothing is pending (mail, or a note that asked for a turn). Operators'
+    /// verbs waiting are applied before each turn, never during one.
     pub async fn drain(&mut self) -> Result<(), TurnError> {
         loop {
+            while let Ok(c) = self.control_rx.try_recv() {
+                self.apply_control(c).await;
+            }
             let id = self.persona.id.clone();
             let page = self.inbox.pending(&id, 0, 1000, None)?;
-            if page.deliveries.is_empty() {
-                return Ok(());
-            }
             let inflight = self.inbox.session_value(&id, "inflight")?.and_then(|v| {
                 let (a, b) = v.split_once('-')?;
                 Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?))
             });
+            if page.deliveries.is_empty() {
+                let wake = self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
+                if !wake {
+                    return Ok(());
+                }
+                self.turn(&[]).await?;
+                continue;
+            }
             let batch: Vec<Delivery> = match inflight {
                 Some((first, last)) if page.deliveries[0].seq == first => page
                     .deliveries
@@ -352,6 +416,96 @@ impl TurnLoop {
             };
             self.turn(&batch).await?;
         }
+    }
+
+    /// Applies an operator's verb (between turns) and answers it.
+    async fn apply_control(&mut self, c: Control) {
+        let action = c.request.action;
+        tracing::info!(persona = %self.persona.id, ?action, model = ?c.request.model, "session verb");
+        let mut previous = None;
+        let result: Result<(), String> = match action {
+            ControlAction::Status => Ok(()),
+            ControlAction::Reset => {
+                previous = self.status.session_id.clone();
+                self.retire_session("operator reset").await
+            }
+            ControlAction::Compact => {
+                if self.status.session_id.is_none() {
+                    Err("she has no session to compact yet".to_owned())
+                } else {
+                    let before = self.telemetry.prefix_tokens;
+                    match self.compact("operator").await {
+                        Ok(()) if self.status.session_id.is_some() => {
+                            tracing::info!(
+                                before,
+                                after = self.telemetry.prefix_tokens,
+                                "compacted on request"
+                            );
+                            Ok(())
+                        }
+                        Ok(()) => {
+                            Err("the CLI did not compact; she starts fresh instead".to_owned())
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            }
+            ControlAction::Model => match c.request.model.as_deref().map(str::trim) {
+                Some(m) if !m.is_empty() && m.len() <= 128 => {
+                    previous = self.status.session_id.clone();
+                    let m = m.to_owned();
+                    match self
+                        .inbox
+                        .set_session_value(&self.persona.id, "model", Some(&m))
+                    {
+                        Ok(()) => {
+                            self.base.model = m.clone();
+                            self.status.model = m;
+                            self.retire_session("model switch").await
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                _ => Err("a model switch needs a model name (1 to 128 bytes)".to_owned()),
+            },
+            ControlAction::Unknown => Err("unknown session action".to_owned()),
+        };
+        let (status, error) = match result {
+            Ok(()) => (Status::Ok, None),
+            Err(e) if action == ControlAction::Unknown || action == ControlAction::Model => {
+                (Status::Rejected, Some(e))
+            }
+            Err(e) => (Status::Failed, Some(e)),
+        };
+        self.save_status();
+        let receipt = ControlReceipt {
+            persona: self.persona.id.clone(),
+            action,
+            status,
+            session_id: self.status.session_id.clone(),
+            previous_session_id: previous,
+            generation: self.status.generation,
+            model: self.base.model.clone(),
+            turns_total: self.status.turns_total,
+            prefix_tokens: (self.telemetry.prefix_tokens > 0)
+                .then_some(self.telemetry.prefix_tokens),
+            error,
+        };
+        let _ = c.reply.send(receipt);
+    }
+
+    /// Ends her session for good (its transcript stays on disk, resumable by its id) and
+    /// starts a fresh one at the next turn.
+    async fn retire_session(&mut self, why: &str) -> Result<(), String> {
+        if let Some(old) = self.status.session_id.clone() {
+            self.status.previous_sessions.push(old);
+            let n = self.status.previous_sessions.len();
+            if n > 20 {
+                self.status.previous_sessions.drain(..n - 20);
+            }
+        }
+        self.shutdown().await;
+        self.fresh_start(why).map_err(|e| e.to_string())
     }
 
     fn rooms_allowed(&self, batch: &[Delivery]) -> Vec<String> {
@@ -440,13 +594,20 @@ impl TurnLoop {
 
     async fn run_cli(&mut self, text: &str) -> Result<Turn, TurnError> {
         let mut last = None;
+        let mut respawned = false;
         for attempt in 1..=ATTEMPTS {
             let resumed = self
                 .inbox
                 .session_value(&self.persona.id, "session_id")?
                 .is_some();
+            // After a crash her process is new: the retried batch says so.
+            let text = if respawned {
+                render::with_note(text, &self.restart_note("your claude process"))
+            } else {
+                text.to_owned()
+            };
             let result = match self.ensure_cli().await {
-                Ok(cli) => cli.turn(text).await,
+                Ok(cli) => cli.turn(&text).await,
                 Err(e) => Err(e),
             };
             match result {
@@ -459,6 +620,7 @@ impl TurnLoop {
                 Err(e) => {
                     tracing::warn!(persona = %self.persona.id, attempt, error = %e, "claude CLI failed; respawning");
                     self.cli = None;
+                    respawned = true;
                     last = Some(e);
                 }
             }
@@ -468,12 +630,87 @@ impl TurnLoop {
         })))
     }
 
-    #[tracing::instrument(skip_all, fields(persona = %self.persona.id, first = batch[0].seq, last = batch[batch.len() - 1].seq))]
+    /// Whether a turn was refused for a full context.
+    fn too_long(turn: &Result<Turn, TurnError>) -> bool {
+        matches!(turn, Ok(t) if matches!(t.result.outcome(), Outcome::PromptTooLong | Outcome::BlockingLimit))
+    }
+
+    /// The note that tells her she was restarted: what, how long since her last turn, and
+    /// whether her session was resumed.
+    fn restart_note(&self, what: &str) -> Note {
+        let last = self
+            .inbox
+            .session_value(&self.persona.id, "last_turn_ms")
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse::<i64>().ok());
+        let ago = match last {
+            Some(at) => format!(
+                "your last turn was {} ago",
+                human_duration(crate::ear::unix_ms().saturating_sub(at))
+            ),
+            None => "the time of your last turn is not known".to_owned(),
+        };
+        let session = if self.status.session_id.is_some() {
+            "your session was resumed: the conversation above continues"
+        } else {
+            "this is a fresh session: your earlier conversation is not in it"
+        };
+        Note::new("restart", format!("{what} was restarted; {ago}; {session}"))
+    }
+
+    /// The user message of a turn: header, notes (the gateway's, then her Minds'), the batch,
+    /// and for a new session what it is given to start from.
+    fn compose(&mut self, batch: &[Delivery], stored: &[crate::inbox::Note]) -> String {
+        let mut notes = Vec::new();
+        if let Some(what) = self.restarted {
+            notes.push(self.restart_note(what));
+        }
+        if let Some(c) = &self.note {
+            notes.push(Note::new("correction", c.clone()));
+        }
+        notes.extend(stored.iter().map(|n| Note::new(&n.kind, n.text.clone())));
+        let mut text = render::render(batch, &mut self.seen, &notes);
+        if self.status.session_id.is_none() {
+            // A session after an earlier one (not her very first) is given the recent lines.
+            let had_session = self.status.turns_total > 0 || self.status.generation > 0;
+            let shown: Vec<&str> = stored.iter().map(|n| n.kind.as_str()).collect();
+            text.push_str(&self.rehydration(&shown, had_session));
+        }
+        text
+    }
+
+    #[tracing::instrument(skip_all, fields(persona = %self.persona.id, turn = tracing::field::Empty))]
     async fn turn(&mut self, batch: &[Delivery]) -> Result<(), TurnError> {
         let id = self.persona.id.clone();
-        let (first, last) = (batch[0].seq, batch[batch.len() - 1].seq);
-        self.inbox
-            .set_session_value(&id, "inflight", Some(&format!("{first}-{last}")))?;
+        let span = batch.first().zip(batch.last()).map(|(f, l)| (f.seq, l.seq));
+        // The notes it shows: those waiting; a retried turn shows the same ones, no newer.
+        let mut stored = self.inbox.pending_notes(&id)?;
+        if let Some(through) = self
+            .inbox
+            .session_value(&id, "inflight_notes")?
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            stored.retain(|n| n.seq <= through);
+        }
+        let note_span = stored
+            .first()
+            .zip(stored.last())
+            .map(|(f, l)| (f.seq, l.seq));
+        let turn_id = match (span, note_span) {
+            (Some((a, b)), _) => format!("turn:{id}:{a}-{b}"),
+            (None, Some((a, b))) => format!("turn:{id}:n{a}-{b}"),
+            (None, None) => return Ok(()),
+        };
+        tracing::Span::current().record("turn", turn_id.as_str());
+        if let Some((first, last)) = span {
+            self.inbox
+                .set_session_value(&id, "inflight", Some(&format!("{first}-{last}")))?;
+        }
+        if let Some((_, through)) = note_span {
+            self.inbox
+                .set_session_value(&id, "inflight_notes", Some(&through.to_string()))?;
+        }
         let rooms: Vec<String> = batch
             .iter()
             .map(|d| d.room_id.clone())
@@ -484,7 +721,6 @@ impl TurnLoop {
             self.mouth.typing(r, true).await;
         }
         let started = Instant::now();
-        let rehydration = self.rehydration();
         self.telemetry.batch_waiting = true;
         self.telemetry.process = if self.cli.is_some() {
             Process::Running
@@ -492,7 +728,8 @@ impl TurnLoop {
             Process::Stopped
         };
         self.telemetry.base_tokens = self.prompt_tokens;
-        self.telemetry.rehydration_tokens = self.prompt_tokens + rehydration.len() as u64 / 4;
+        self.telemetry.rehydration_tokens =
+            self.prompt_tokens + self.rehydration(&[], true).len() as u64 / 4;
         let decision = if self.status.session_id.is_none() {
             Decision::Continue
         } else {
@@ -504,21 +741,17 @@ impl TurnLoop {
             Decision::Compact(r) => self.compact(&format!("{r:?}")).await?,
             _ => {}
         }
-        let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
-        // A session after an earlier one (not her very first) is given the recent lines.
-        let had_session = self.status.turns_total > 0 || self.status.generation > 0;
-        if self.status.session_id.is_none() && had_session {
-            text.push_str(&rehydration);
-        }
+        let text = self.compose(batch, &stored);
         let mut turn = self.run_cli(&text).await;
-        if let Ok(t) = &turn {
-            if matches!(
-                t.result.outcome(),
-                Outcome::PromptTooLong | Outcome::BlockingLimit
-            ) {
-                self.fresh_start("the session refused the turn (context full)")?;
-                let mut text = render::render(batch, &mut self.seen, self.note.as_deref());
-                text.push_str(&rehydration);
+        if Self::too_long(&turn) {
+            // Refused as too long: compact and retry the same batch once; then start fresh.
+            self.compact("the session refused the turn (context full)")
+                .await?;
+            let text = self.compose(batch, &stored);
+            turn = self.run_cli(&text).await;
+            if Self::too_long(&turn) {
+                self.fresh_start("the session refused the turn again after compacting")?;
+                let text = self.compose(batch, &stored);
                 turn = self.run_cli(&text).await;
             }
         }
@@ -540,12 +773,14 @@ impl TurnLoop {
         }
         let allowed = self.rooms_allowed(batch);
         let allowed_refs: Vec<&str> = allowed.iter().map(String::as_str).collect();
-        let (says, outcome) = match render::validate(res.structured_output.as_ref(), &allowed_refs)
+        let (says, extensions, outcome) = match self
+            .schema
+            .validate(res.structured_output.as_ref(), &allowed_refs)
         {
             Ok(reply) => {
                 self.note = None;
                 for (i, say) in reply.say.iter().enumerate() {
-                    let request_id = render::say_request_id(&id, first, last, i);
+                    let request_id = format!("{turn_id}:{i}");
                     let receipt = self
                         .mouth
                         .send(&SendRequest {
@@ -570,17 +805,29 @@ impl TurnLoop {
                         }
                     }
                 }
-                (reply.say.len(), "sent".to_owned())
+                (reply.say.len(), reply.extensions, "sent".to_owned())
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reply not sent");
                 self.note = Some(e.correction_note());
-                (0, e.to_string())
+                (0, Vec::new(), e.to_string())
             }
         };
-        self.inbox.ack(&id, last)?;
-        self.inbox.set_session_value(&id, "inflight", None)?;
-        self.signals.acked.notify_one();
+        let shown: Vec<u64> = stored.iter().map(|n| n.seq).collect();
+        self.inbox.commit_turn(
+            &id,
+            &TurnCommit {
+                ack_through: span.map(|(_, last)| last),
+                notes_shown: &shown,
+                turn_id: &turn_id,
+                extensions: &extensions,
+                at_ms: crate::ear::unix_ms(),
+            },
+        )?;
+        self.restarted = None;
+        if span.is_some() {
+            self.signals.acked.notify_one();
+        }
         let mut last_per_room: BTreeMap<&str, &str> = BTreeMap::new();
         for d in batch {
             last_per_room.insert(&d.room_id, &d.event_id);
@@ -591,9 +838,12 @@ impl TurnLoop {
         let usage = res.usage.usage();
         self.telemetry
             .after_turn(&usage, res.outcome(), Instant::now(), &self.prices);
+        let (first_seq, last_seq) = span.unwrap_or_default();
         let record = TurnRecord {
-            first_seq: first,
-            last_seq: last,
+            first_seq,
+            last_seq,
+            notes: shown.len(),
+            extensions: extensions.len(),
             generation: self.status.generation,
             duration_ms: started.elapsed().as_millis() as u64,
             input_tokens: usage.input,
@@ -612,29 +862,55 @@ impl TurnLoop {
         Ok(())
     }
 
-    /// The last lines of her rooms, for a fresh session.
-    fn rehydration(&self) -> String {
+    /// What a new session starts from: the latest note of each replacing kind (or her
+    /// `state_file` while no `state` note came) other than the kinds `skip` (shown in the batch
+    /// itself), and with `lines` the last lines of her rooms.
+    fn rehydration(&self, skip: &[&str], lines: bool) -> String {
         let id = &self.persona.id;
-        let rooms: Vec<(String, Vec<wire::docs::ContextLine>)> = self
+        let mut latest: Vec<Note> = self
             .inbox
-            .timeline_rooms(id)
+            .latest_notes(id)
             .unwrap_or_default()
             .into_iter()
-            .map(|room| {
-                let lines = self
-                    .inbox
-                    .timeline(id, &room)
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|l| l.line)
-                    .collect();
-                (room, lines)
-            })
+            .map(|(kind, text)| Note::new(&kind, text))
             .collect();
+        if !latest.iter().any(|n| n.kind == "state") {
+            if let Some(path) = &self.persona.session.state_file {
+                match std::fs::read_to_string(path) {
+                    Ok(text) if !text.trim().is_empty() => {
+                        latest.insert(0, Note::new("state", text));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "state_file not read");
+                    }
+                }
+            }
+        }
+        latest.retain(|n| !skip.contains(&n.kind.as_str()));
+        let rooms: Vec<(String, Vec<wire::docs::ContextLine>)> = if lines {
+            self.inbox
+                .timeline_rooms(id)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|room| {
+                    let lines = self
+                        .inbox
+                        .timeline(id, &room)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|l| l.line)
+                        .collect();
+                    (room, lines)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let refs: Vec<(&str, Vec<wire::docs::ContextLine>)> =
             rooms.iter().map(|(r, l)| (r.as_str(), l.clone())).collect();
         render::rehydration(
-            None,
+            &latest,
             &refs,
             self.persona.limits.context_lines,
             self.persona.limits.context_bytes / 2,
@@ -647,6 +923,10 @@ impl TurnLoop {
         while self.status.turns.len() > TELEMETRY_KEPT {
             self.status.turns.pop_front();
         }
+        self.save_status();
+    }
+
+    fn save_status(&self) {
         let tmp = self.status_path.with_extension("json.tmp");
         let bytes = serde_json::to_vec_pretty(&self.status).unwrap_or_default();
         if let Err(e) =
@@ -654,5 +934,16 @@ impl TurnLoop {
         {
             tracing::warn!(error = %e, path = %self.status_path.display(), "status file not written");
         }
+    }
+}
+
+/// `ms` as a short human duration ("45 s", "12 min", "3 h 5 min", "2 d 4 h").
+pub fn human_duration(ms: i64) -> String {
+    let s = ms.max(0) / 1000;
+    match s {
+        0..=119 => format!("{s} s"),
+        120..=7_199 => format!("{} min", s / 60),
+        7_200..=172_799 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {} h", s / 86_400, s % 86_400 / 3600),
     }
 }

@@ -114,7 +114,12 @@ impl Timelines {
             .iter()
             .map(|(room, lines)| (room.as_str(), lines.iter().cloned().collect()))
             .collect();
-        session::render::rehydration(Some(state), &rooms, 10, usize::MAX)
+        session::render::rehydration(
+            &[session::render::Note::new("state", state)],
+            &rooms,
+            10,
+            usize::MAX,
+        )
     }
     fn context(&self, room: &str) -> Vec<ContextLine> {
         let mut c: Vec<ContextLine> = self
@@ -264,7 +269,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             seen.clear();
             t.after_fresh_start();
         }
-        let mut text = render(&ds, &mut seen, None);
+        let mut text = render(&ds, &mut seen, &[]);
         if fresh {
             text.push_str(&timelines.rehydration(state));
         }
@@ -412,7 +417,7 @@ async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
             d.context = timelines.context(&d.room_id);
         }
         // A new process knows nothing: every context line is sent again.
-        let text = render(&ds, &mut Seen::default(), None);
+        let text = render(&ds, &mut Seen::default(), &[]);
         overhead.push(work.elapsed());
         let mut c = base.clone();
         c.session_id = Some(tests::claude_cli::new_session_id());

@@ -80,7 +80,7 @@ async fn fifty_batches_are_fifty_turns_of_one_warm_process() {
     let mut seen = Seen::default();
     for i in 1..=50u64 {
         mock.script(json!({"say": [{"room": "!lobby:localhost", "text": format!("reply {i}")}]}));
-        let text = render(&[delivery(i, &format!("message {i}"))], &mut seen, None);
+        let text = render(&[delivery(i, &format!("message {i}"))], &mut seen, &[]);
         let turn = cli.turn(&text).await.expect("turn");
         assert!(!turn.result.is_error, "turn {i}: {:?}", turn.result);
         let reply = validate(
@@ -118,13 +118,13 @@ async fn slash_commands_in_chat_reach_the_model_as_text() {
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let mut seen = Seen::default();
     let first = cli
-        .turn(&render(&[delivery(1, "hello")], &mut seen, None))
+        .turn(&render(&[delivery(1, "hello")], &mut seen, &[]))
         .await
         .unwrap();
     let session = cli.session_id().map(str::to_owned);
     for (seq, evil) in [(2, "/clear"), (3, "/compact")] {
         let turn = cli
-            .turn(&render(&[delivery(seq, evil)], &mut seen, None))
+            .turn(&render(&[delivery(seq, evil)], &mut seen, &[]))
             .await
             .unwrap();
         assert!(!turn.reset, "{evil} reset the conversation");
@@ -169,7 +169,7 @@ async fn a_restarted_process_resumes_the_same_session_from_cache() {
         cli.turn(&render(
             &[delivery(i, &format!("before restart {i}"))],
             &mut seen,
-            None,
+            &[],
         ))
         .await
         .unwrap();
@@ -180,7 +180,7 @@ async fn a_restarted_process_resumes_the_same_session_from_cache() {
     cfg.resume = true;
     let mut cli = Cli::spawn(cfg).await.expect("resumed CLI ready");
     let turn = cli
-        .turn(&render(&[delivery(4, "after restart")], &mut seen, None))
+        .turn(&render(&[delivery(4, "after restart")], &mut seen, &[]))
         .await
         .unwrap();
     assert!(!turn.result.is_error, "{:?}", turn.result);
@@ -219,7 +219,7 @@ async fn a_cli_killed_mid_turn_is_resumed_and_the_batch_retried() {
     cfg.session_id = Some(id.clone());
     let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
     let mut seen = Seen::default();
-    cli.turn(&render(&[delivery(1, "first")], &mut seen, None))
+    cli.turn(&render(&[delivery(1, "first")], &mut seen, &[]))
         .await
         .unwrap();
     // The next request hangs in the mock; the process is killed while it waits.
@@ -231,7 +231,7 @@ async fn a_cli_killed_mid_turn_is_resumed_and_the_batch_retried() {
             .args(["-9", &pid.to_string()])
             .status();
     });
-    let batch = render(&[delivery(2, "second")], &mut Seen::default(), None);
+    let batch = render(&[delivery(2, "second")], &mut Seen::default(), &[]);
     let err = cli
         .turn(&batch)
         .await
@@ -261,7 +261,7 @@ async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let pid = cli.pid();
     let mut seen = Seen::default();
-    cli.turn(&render(&[delivery(1, "warm up")], &mut seen, None))
+    cli.turn(&render(&[delivery(1, "warm up")], &mut seen, &[]))
         .await
         .unwrap();
     // With one retry allowed: a 400 is not retried (one request), 529 and 500 are (two).
@@ -275,7 +275,7 @@ async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
             mock.inject(fault.clone());
         }
         let turn = cli
-            .turn(&render(&[delivery(seq, "hello")], &mut seen, None))
+            .turn(&render(&[delivery(seq, "hello")], &mut seen, &[]))
             .await
             .unwrap();
         assert!(turn.result.is_error, "{fault:?}: {:?}", turn.result);
@@ -293,7 +293,7 @@ async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
         assert_eq!(cli.pid(), pid, "{fault:?} killed the process");
         // The session goes on: the next turn succeeds in the same process.
         let next = cli
-            .turn(&render(&[delivery(seq + 10, "again")], &mut seen, None))
+            .turn(&render(&[delivery(seq + 10, "again")], &mut seen, &[]))
             .await
             .unwrap();
         assert!(!next.result.is_error, "after {fault:?}: {:?}", next.result);
@@ -312,7 +312,7 @@ async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
     let mut seen = Seen::default();
     mock.inject(Fault::Delay(Duration::from_secs(30)));
     let turn = cli
-        .turn(&render(&[delivery(1, "slow")], &mut seen, None))
+        .turn(&render(&[delivery(1, "slow")], &mut seen, &[]))
         .await
         .expect("the interrupted turn's result");
     assert!(turn.result.is_error, "{:?}", turn.result);
@@ -322,7 +322,7 @@ async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
     );
     assert_eq!(cli.pid(), pid, "interrupted, not killed");
     let next = cli
-        .turn(&render(&[delivery(2, "quick")], &mut seen, None))
+        .turn(&render(&[delivery(2, "quick")], &mut seen, &[]))
         .await
         .unwrap();
     assert!(!next.result.is_error, "{:?}", next.result);
@@ -340,7 +340,7 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
     let long = "a long line of chat that fills the conversation ".repeat(200);
     for seq in 1..=4 {
         let t = cli
-            .turn(&render(&[delivery(seq, &long)], &mut seen, None))
+            .turn(&render(&[delivery(seq, &long)], &mut seen, &[]))
             .await
             .unwrap();
         assert!(!t.result.is_error);
@@ -357,11 +357,7 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
     assert_eq!(mock.ledger().len(), requests + 1, "one summary request");
     assert_eq!(cli.session_id().map(str::to_owned), session);
     let after = cli
-        .turn(&render(
-            &[delivery(5, "after the summary")],
-            &mut seen,
-            None,
-        ))
+        .turn(&render(&[delivery(5, "after the summary")], &mut seen, &[]))
         .await
         .unwrap();
     assert!(!after.result.is_error);

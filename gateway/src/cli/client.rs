@@ -11,8 +11,10 @@ use gateway::client::{load_key, Client, ClientError, QuicClient};
 use gateway::config::hex;
 use serde::Serialize;
 use wire::docs::{
-    ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
-    SendRequest, StatusRequest, TurnReceipt, TurnRequest,
+    ids, AckReceipt, AckRequest, ControlAction, ControlReceipt, ControlRequest,
+    ExtensionAckReceipt, ExtensionAckRequest, ExtensionPage, ExtensionPendingRequest,
+    GatewayStatus, NoteReceipt, NoteRequest, PendingPage, PendingRequest, SendReceipt, SendRequest,
+    StatusRequest, TurnReceipt, TurnRequest,
 };
 
 use super::Failure;
@@ -70,6 +72,72 @@ pub(crate) enum Ask {
         /// Why, for the log.
         #[arg(long)]
         reason: Option<String>,
+    },
+    /// Append a note to her next batch (state, campaigns, spend and runs replace the previous
+    /// note of their kind).
+    Note {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Its kind.
+        #[arg(long)]
+        kind: String,
+        /// The text (`-`: standard input).
+        #[arg(long)]
+        text: String,
+        /// Note id (a repeat with the same id is shown once); a new one when absent.
+        #[arg(long)]
+        note_id: Option<String>,
+        /// Give her a turn for this note alone.
+        #[arg(long)]
+        wake: bool,
+    },
+    /// Her replies' extension fields waiting for a client (not consumed).
+    Extensions {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Fields after this seq.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// At most this many.
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// Acknowledge her replies' extension fields through a seq.
+    ExtensionsAck {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// Through this seq.
+        #[arg(long)]
+        through: u64,
+    },
+    /// An operator's verb on her session, applied at her next turn boundary (the answer
+    /// waits for it: give `--timeout` room for a turn).
+    Session {
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+        /// What to do.
+        #[command(subcommand)]
+        action: SessionVerb,
+    },
+}
+
+/// What an operator asks of her session.
+#[derive(Debug, Subcommand)]
+pub(crate) enum SessionVerb {
+    /// Her session: id, generation, model, turns.
+    Status,
+    /// A fresh session (the old one stays on disk, resumable by its id).
+    Reset,
+    /// Compact her conversation (the CLI's /compact).
+    Compact,
+    /// Switch her model (a fresh session; kept across restarts).
+    Model {
+        /// The model.
+        name: String,
     },
 }
 
@@ -241,6 +309,83 @@ pub(crate) fn run(
                 )
                 .await?,
             ),
+            Ask::Note {
+                persona,
+                kind,
+                text,
+                note_id,
+                wake,
+            } => {
+                let text = if text == "-" {
+                    let mut t = String::new();
+                    std::io::Read::read_to_string(&mut std::io::stdin(), &mut t)
+                        .context("reading the note from standard input")?;
+                    t
+                } else {
+                    text
+                };
+                json(
+                    &c.request::<_, NoteReceipt>(
+                        ids::NOTE_REQUEST,
+                        &key,
+                        &NoteRequest {
+                            persona,
+                            note_id: note_id.unwrap_or_else(|| key.clone()),
+                            kind,
+                            text,
+                            wake,
+                        },
+                    )
+                    .await?,
+                )
+            }
+            Ask::Extensions {
+                persona,
+                after,
+                limit,
+            } => json(
+                &c.request::<_, ExtensionPage>(
+                    ids::EXTENSION_PENDING_REQUEST,
+                    &key,
+                    &ExtensionPendingRequest {
+                        persona,
+                        after_seq: after,
+                        limit,
+                    },
+                )
+                .await?,
+            ),
+            Ask::ExtensionsAck { persona, through } => json(
+                &c.request::<_, ExtensionAckReceipt>(
+                    ids::EXTENSION_ACK_REQUEST,
+                    &key,
+                    &ExtensionAckRequest {
+                        persona,
+                        through_seq: through,
+                    },
+                )
+                .await?,
+            ),
+            Ask::Session { persona, action } => {
+                let (action, model) = match action {
+                    SessionVerb::Status => (ControlAction::Status, None),
+                    SessionVerb::Reset => (ControlAction::Reset, None),
+                    SessionVerb::Compact => (ControlAction::Compact, None),
+                    SessionVerb::Model { name } => (ControlAction::Model, Some(name)),
+                };
+                json(
+                    &c.request::<_, ControlReceipt>(
+                        ids::CONTROL_REQUEST,
+                        &key,
+                        &ControlRequest {
+                            persona,
+                            action,
+                            model,
+                        },
+                    )
+                    .await?,
+                )
+            }
         };
         c.close().await;
         println!("{out}");

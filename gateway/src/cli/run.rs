@@ -191,9 +191,11 @@ async fn start_persona(
             mouth,
             signals,
             base,
+            s.reply_schema(&p.id)?,
             &cfg.state_dir,
         )?;
         port.turn_requests = Some(turns.turn_requests.clone());
+        port.controls = Some(turns.controls.clone());
         tasks.spawn(turns.run(stop.clone()));
     }
     Ok(port)

@@ -112,7 +112,7 @@ impl Inbox {
         seq: u64,
         ops: &mut sled::Batch,
     ) -> Result<(), InboxError> {
-        if seq % 1000 != 0 || seq <= NOTE_IDS_KEPT as u64 {
+        if !seq.is_multiple_of(1000) || seq <= NOTE_IDS_KEPT as u64 {
             return Ok(());
         }
         let horizon = seq - NOTE_IDS_KEPT as u64;

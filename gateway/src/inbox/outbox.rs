@@ -32,6 +32,8 @@ pub struct TurnCommit<'a> {
     pub turn_id: &'a str,
     /// Its reply's extension fields, in reply order.
     pub extensions: &'a [(String, serde_json::Value)],
+    /// When it ended (ms since the epoch; kept as the session value `last_turn_ms`).
+    pub at_ms: i64,
 }
 
 /// A page of the outbox.
@@ -107,6 +109,13 @@ impl Inbox {
             next += 1;
         }
         ops.insert(key(persona, b"ext_next"), &next.to_be_bytes());
+        // The turn is over: nothing is in flight, and she last spoke now.
+        ops.remove(key(persona, b"s:inflight"));
+        ops.remove(key(persona, b"s:inflight_notes"));
+        ops.insert(
+            key(persona, b"s:last_turn_ms"),
+            t.at_ms.to_string().as_bytes(),
+        );
         self.tree.apply_batch(ops)?;
         self.db.flush()?;
         Ok(counts)

@@ -659,6 +659,7 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
             notes_shown: &shown,
             turn_id: "turn:mira:1-9",
             extensions: &fields,
+            at_ms: 5,
         },
     );
     assert!(matches!(bad, Err(InboxError::AckBeyondHighest { .. })));
@@ -679,11 +680,19 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
                 notes_shown: &shown,
                 turn_id: "turn:mira:1-2",
                 extensions: &fields,
+                at_ms: 6,
             },
         )
         .unwrap();
     assert_eq!((c.acked_through, c.pending), (2, 1));
     assert!(inbox.pending_notes("mira").unwrap().is_empty());
+    assert_eq!(
+        inbox
+            .session_value("mira", "last_turn_ms")
+            .unwrap()
+            .as_deref(),
+        Some("6")
+    );
     drop(inbox);
 
     let inbox = Inbox::open(&path).unwrap();
