@@ -163,7 +163,7 @@ pub struct TurnLoop {
     seen: Seen,
     /// The correction after a bad reply, for the next batch.
     note: Option<String>,
-    /// Why the next batch must say she was restarted (`gateway` or `process`).
+    /// What was restarted, when her next batch must say so (the gateway, her process).
     restarted: Option<&'static str>,
     prompt_hash: String,
     status_path: PathBuf,
@@ -229,7 +229,7 @@ impl TurnLoop {
             previous_sessions: earlier.previous_sessions,
         };
         // She has had turns before: her first batch in this run says she was restarted.
-        let restarted = (status.turns_total > 0).then_some("gateway");
+        let restarted = (status.turns_total > 0).then_some("the gateway");
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         Ok(Self {

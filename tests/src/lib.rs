@@ -6,6 +6,7 @@
 //! - [`synapse`]: a real Synapse homeserver on loopback, from `deploy/synapse/`.
 //! - [`matrix`]: Matrix users for tests (logins with chosen devices, an operator client that
 //!   speaks encrypted) and an in-process gateway for one Persona.
+//! - [`live`]: helpers for tests of the gateway binary with a live session.
 //! - [`workload`]: the seeded reference workload of the session benchmark.
 //! - [`fault_proxy`]: an HTTP proxy in front of Synapse that answers `/sync` with 429 on demand.
 #![forbid(unsafe_code)]
@@ -13,6 +14,7 @@
 
 pub mod claude_cli;
 pub mod fault_proxy;
+pub mod live;
 pub mod matrix;
 pub mod mock_api;
 pub mod synapse;

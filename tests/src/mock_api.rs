@@ -14,6 +14,10 @@
 //!   request with its cost under [`session::cost::Prices`].
 //! - **Faults** on demand (HTTP 400 prompt too long, 529 overloaded, 500, delays), and a 400
 //!   when the prompt exceeds the context window.
+//! - **Credentials**: with [`MockApi::require_key`] set, a request whose `x-api-key` (API key)
+//!   or `Authorization: Bearer` (OAuth token) is not that key gets HTTP 401
+//!   `authentication_error`, as the API answers a revoked key; the ledger records which kind
+//!   of credential each request carried.
 //! - **Virtual time**: [`MockApi::advance`] moves its clock, so hours of idle replay in seconds.
 //!
 //! Replies: the `StructuredOutput` tool is answered with the next scripted input
@@ -90,6 +94,14 @@ pub struct LedgerEntry {
     pub last_user_text: String,
     /// The block hashes of the prompt, for prefix checks in tests.
     pub block_hashes: Vec<u64>,
+    /// The system prompt's text (its blocks joined by newlines).
+    pub system_text: String,
+    /// The text of every user message, joined by newlines.
+    pub user_text: String,
+    /// The credential it carried: `api-key`, `bearer`, or `none`.
+    pub auth: String,
+    /// The model it asked for.
+    pub model: String,
 }
 
 #[derive(Debug)]
@@ -107,6 +119,7 @@ struct State {
     ledger: Vec<LedgerEntry>,
     faults: VecDeque<Fault>,
     script: VecDeque<Value>,
+    key: Option<String>,
 }
 
 impl State {
@@ -119,6 +132,7 @@ impl State {
             ledger: Vec::new(),
             faults: VecDeque::new(),
             script: VecDeque::new(),
+            key: None,
         }
     }
 
@@ -177,6 +191,12 @@ impl MockApi {
     /// Queues a fault for the next request.
     pub fn inject(&self, f: Fault) {
         self.lock().faults.push_back(f);
+    }
+
+    /// Accepts only requests carrying `key` (as `x-api-key` or a bearer token) from now on;
+    /// `None` accepts any.
+    pub fn require_key(&self, key: Option<&str>) {
+        self.lock().key = key.map(str::to_owned);
     }
 
     /// Queues the `StructuredOutput` input of a coming reply.
@@ -248,9 +268,20 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) -> std::io::Resu
             return respond_json(&mut stream, 400, &json!({"type": "error", "error": {"type": "invalid_request_error", "message": e.to_string()}})).await;
         }
     };
+    let credential = match (header("x-api-key"), header("authorization")) {
+        (Some(k), _) => Some(("api-key", k)),
+        (None, Some(b)) => b
+            .strip_prefix("Bearer ")
+            .map(|t| ("bearer", t.trim().to_owned())),
+        (None, None) => None,
+    };
     let (delay, answer) = {
         let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
-        answer(&mut st, &req)
+        answer(
+            &mut st,
+            &req,
+            credential.as_ref().map(|(k, v)| (*k, v.as_str())),
+        )
     };
     if let Some(d) = delay {
         tokio::time::sleep(d).await;
@@ -283,8 +314,25 @@ enum Answer {
     Stream(Vec<Value>),
 }
 
-fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
+fn answer(
+    st: &mut State,
+    req: &Value,
+    credential: Option<(&str, &str)>,
+) -> (Option<Duration>, Answer) {
     let n = st.ledger.len() as u64 + 1;
+    let auth = credential.map_or("none", |(kind, _)| kind).to_owned();
+    let model = req["model"].as_str().unwrap_or_default().to_owned();
+    let system_text = texts(&req["system"]);
+    let user_text = req["messages"]
+        .as_array()
+        .map(|ms| {
+            ms.iter()
+                .filter(|m| m["role"] == "user")
+                .map(|m| texts(&m["content"]))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
     let at = (st.now() - st.started).as_secs_f64();
     let blocks = prompt_blocks(req);
     let total: u64 = blocks.iter().map(|b| b.tokens).sum();
@@ -304,7 +352,12 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
             st.cfg.context_window
         ),
     );
+    let refused = st
+        .key
+        .as_deref()
+        .is_some_and(|want| credential.is_none_or(|(_, got)| got != want));
     let error = match fault {
+        _ if refused => Some((401, "authentication_error", "invalid x-api-key".to_owned())),
         Some(Fault::PromptTooLong) => Some(too_long),
         Some(Fault::Overloaded) => Some((529, "overloaded_error", "Overloaded".to_owned())),
         Some(Fault::ServerError) => Some((500, "api_error", "Internal server error".to_owned())),
@@ -321,6 +374,10 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
             prompt_tokens: total,
             last_user_text,
             block_hashes: hashes,
+            system_text,
+            user_text,
+            auth,
+            model,
         });
         return (delay, Answer::Error(status, kind, message));
     }
@@ -383,6 +440,10 @@ fn answer(st: &mut State, req: &Value) -> (Option<Duration>, Answer) {
         prompt_tokens: total,
         last_user_text,
         block_hashes: hashes,
+        system_text,
+        user_text,
+        auth,
+        model,
     });
     (delay, Answer::Stream(events))
 }
@@ -504,6 +565,19 @@ fn cache(st: &mut State, blocks: &[Block]) -> Usage {
     usage
 }
 
+/// The text of a `system` or `content` value: a string, or its text blocks joined by newlines.
+fn texts(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|b| b["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
 fn last_user_text(req: &Value) -> String {
     let Some(m) = req["messages"]
         .as_array()
@@ -527,6 +601,7 @@ async fn respond_json(stream: &mut TcpStream, status: u16, body: &Value) -> std:
     let text = body.to_string();
     let reason = match status {
         400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         500 => "Internal Server Error",
         529 => "Overloaded",

@@ -1,0 +1,99 @@
+//! Helpers for the tests of `cultnet-gateway run` with a live session: her config section, her
+//! operator's DM, what she said.
+
+use std::time::{Duration, Instant};
+
+use matrix_sdk::ruma::OwnedUserId;
+
+use crate::matrix::{has_joined, sync, write_private, GatewayProcess};
+use crate::mock_api::MockApi;
+
+/// A client's public key as the config wants it (64 hex digits).
+pub fn public_hex(key: &ed25519_dalek::SigningKey) -> String {
+    gateway::config::hex(key.verifying_key().as_bytes())
+}
+
+/// Bodies vera sent in `room`, as `reader` sees them.
+pub async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
+    sync(reader).await;
+    let mut opts = matrix_sdk::room::MessagesOptions::backward();
+    opts.limit = 100u32.into();
+    let msgs = room.messages(opts).await.unwrap();
+    let mut bodies: Vec<String> = msgs
+        .chunk
+        .iter()
+        .filter_map(|e| {
+            let v: serde_json::Value = serde_json::from_str(e.raw().json().get()).ok()?;
+            (v["sender"] == "@vera:localhost" && v["type"] == "m.room.message")
+                .then(|| v["content"]["body"].as_str().map(str::to_owned))?
+        })
+        .collect();
+    bodies.reverse();
+    bodies
+}
+
+/// Waits (up to `within`) until vera has said `text` in `room`; her bodies there.
+pub async fn wait_for_reply(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    text: &str,
+    within: Duration,
+) -> Vec<String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let got = from_vera(reader, room).await;
+        if got.iter().any(|b| b == text) || Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Writes her doctrine (`repeat` sentences) and API key, and returns the live
+/// `[persona.session]` section (plus `extra` lines) and the doctrine's path.
+pub fn live_section(
+    dir: &std::path::Path,
+    mock: &MockApi,
+    repeat: usize,
+    extra: &str,
+) -> (String, std::path::PathBuf) {
+    let prompt = dir.join("doctrine.md");
+    std::fs::write(&prompt, "You are Vera. ".repeat(repeat)).unwrap();
+    let key = dir.join("api.key");
+    write_private(&key, "mock-key");
+    let section = format!(
+        r#"
+[persona.session]
+mode = "live"
+claude = "{claude}"
+model = "claude-sonnet-4-6"
+system_prompt_file = "{prompt}"
+api_base_url = "{api}"
+api_key_file = "{key}"
+debounce_ms = 200
+max_wait_ms = 1000
+turn_timeout_secs = 60
+{extra}"#,
+        claude = crate::claude_cli::executable().display(),
+        prompt = prompt.display(),
+        api = mock.url(),
+        key = key.display(),
+    );
+    (section, prompt)
+}
+
+/// The operator opens an encrypted DM with vera and waits until she has joined.
+pub async fn open_dm(ann: &matrix_sdk::Client, gw: &GatewayProcess) -> matrix_sdk::Room {
+    let vera: OwnedUserId = "@vera:localhost".try_into().unwrap();
+    let dm = ann.create_dm(&vera).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !has_joined(ann, &dm, &vera).await {
+        assert!(
+            Instant::now() < deadline,
+            "she did not join the DM; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    dm
+}

@@ -1,0 +1,338 @@
+//! Her Minds and her live session, end to end (`cultnet-gateway run`, a real Synapse, the real
+//! claude CLI against the mock Messages API, CultNet clients over loopback):
+//! - a `state` note lands in her next request after the header, not in the system prompt, with
+//!   the prompt still read from cache; notes survive `kill -9`; repeats are shown once; an
+//!   oversized note is refused; replacing kinds keep only the latest; a reset during a turn
+//!   waits for it, and the fresh session starts from the latest notes; the old session resumes;
+//! - the restart note is in the first request after a restart and not in the next;
+//! - a reply's extension field reaches a client once across `kill -9`, a bad one is corrected;
+//!   a waking note gets a turn of its own; a model switch survives a restart; compact shrinks.
+
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use gateway::client::Client;
+use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use serde_json::json;
+use session::render::NOTES_LABEL;
+use tests::live::{from_vera, live_section, public_hex, wait_for_reply};
+use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::mock_api::{Fault, LedgerEntry, MockApi, MockConfig};
+use tests::synapse::Limits;
+use wire::docs::{
+    ids, ControlAction, ControlReceipt, ControlRequest, ExtensionAckReceipt, ExtensionAckRequest,
+    ExtensionPage, ExtensionPendingRequest, NoteReceipt, NoteRequest, Status,
+};
+
+fn note(id: &str, kind: &str, text: &str) -> NoteRequest {
+    NoteRequest {
+        persona: "vera".into(),
+        note_id: id.into(),
+        kind: kind.into(),
+        text: text.into(),
+        wake: false,
+    }
+}
+
+async fn put_note(c: &mut Client, n: &NoteRequest) -> NoteReceipt {
+    c.request(ids::NOTE_REQUEST, &format!("note-{}", n.note_id), n)
+        .await
+        .unwrap()
+}
+
+async fn control(
+    c: &mut Client,
+    key: &str,
+    action: ControlAction,
+    model: Option<&str>,
+) -> ControlReceipt {
+    c.request(
+        ids::CONTROL_REQUEST,
+        key,
+        &ControlRequest {
+            persona: "vera".into(),
+            action,
+            model: model.map(str::to_owned),
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// A client line for the config.
+fn client_block(agent: &str, key: &SigningKey, verbs: &str) -> String {
+    format!(
+        "\n[[cultnet.client]]\nagent_id = \"{agent}\"\npublic_key = \"{}\"\npersonas = [\"vera\"]\nverbs = [{verbs}]\n",
+        public_hex(key)
+    )
+}
+
+/// Her status file.
+fn status(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("state/personas/vera/status.json")).unwrap())
+        .unwrap()
+}
+
+/// Waits until the mock has answered `n` more successful requests than `from`; those entries.
+async fn answered_since(
+    mock: &MockApi,
+    from: usize,
+    n: usize,
+    gw: Option<&GatewayProcess>,
+) -> Vec<LedgerEntry> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got: Vec<LedgerEntry> = mock.ledger()[from..]
+            .iter()
+            .filter(|e| e.status == 200)
+            .cloned()
+            .collect();
+        if got.len() >= n {
+            return got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} requests; log:\n{}",
+            got.len(),
+            gw.map(GatewayProcess::log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until her status file counts `n` turns.
+async fn turns_total(dir: &std::path::Path, n: u64, gw: &GatewayProcess) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while std::fs::read(dir.join("state/personas/vera/status.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["turns_total"].as_u64())
+        .unwrap_or(0)
+        < n
+    {
+        assert!(
+            Instant::now() < deadline,
+            "turn {n} did not happen; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
+    let scene = Scene::new("minds-notes", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mn-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, prompt) = live_section(&dir, &mock, 3000, "");
+    let mind = SigningKey::from_bytes(&[11; 32]);
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#mn-lobby:localhost"],
+        &[],
+        &format!(
+            "{session}{}",
+            client_block("mind", &mind, "\"note\", \"session\"")
+        ),
+    );
+    let gw = GatewayProcess::start(&config);
+    let say = |text: &str| json!({"say": [{"room": room, "text": text}]});
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+
+    mock.script(say("hi all"));
+    lobby.send(chat("hello vera")).await.unwrap();
+    wait_for_reply(ann, &lobby, "hi all", Duration::from_secs(90)).await;
+
+    // A state note, its repeat, and one too big; then the gateway dies before she sees it.
+    let mut c = Client::connect(gw.cultnet_addr(), "mind", &mind, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let r = put_note(&mut c, &note("s1", "state", "mood: calm")).await;
+    assert_eq!(
+        (r.status, r.duplicate, r.pending_notes),
+        (Status::Ok, false, 1),
+        "{r:?}"
+    );
+    let r = put_note(&mut c, &note("s1", "state", "mood: calm")).await;
+    assert_eq!(
+        (r.status, r.duplicate, r.pending_notes),
+        (Status::Ok, true, 1),
+        "{r:?}"
+    );
+    let big = put_note(&mut c, &note("big", "state", &"x".repeat(20_000))).await;
+    assert_eq!(big.status, Status::Rejected);
+    assert!(
+        big.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("20000 bytes"),
+        "{big:?}"
+    );
+    c.close().await;
+    gw.kill9();
+
+    let gw = GatewayProcess::start(&config);
+    let from = mock.ledger().len();
+    mock.script(say("second answer"));
+    lobby.send(chat("second")).await.unwrap();
+    wait_for_reply(ann, &lobby, "second answer", Duration::from_secs(90)).await;
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    let lines: Vec<&str> = e.last_user_text.lines().collect();
+    assert!(
+        lines[0].starts_with("[cultnet batch "),
+        "{}",
+        e.last_user_text
+    );
+    assert_eq!(lines[1], NOTES_LABEL, "{}", e.last_user_text);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("[restart] the gateway was restarted")
+                && l.contains("your session was resumed")),
+        "{}",
+        e.last_user_text
+    );
+    assert_eq!(
+        e.last_user_text.matches("[state] mood: calm").count(),
+        1,
+        "{}",
+        e.last_user_text
+    );
+    assert!(!e.system_text.contains("mood: calm"));
+    assert!(e.system_text.contains("You are Vera."));
+    let hit = e.usage.cache_read as f64 / e.prompt_tokens as f64;
+    assert!(hit >= 0.95, "only {hit:.3} of the prompt from cache: {e:?}");
+    println!(
+        "state note turn: {:.1}% of {} prompt tokens from cache",
+        hit * 100.0,
+        e.prompt_tokens
+    );
+
+    // The next request carries neither the restart note nor the note already shown.
+    let from = mock.ledger().len();
+    mock.script(say("third answer"));
+    lobby.send(chat("third")).await.unwrap();
+    wait_for_reply(ann, &lobby, "third answer", Duration::from_secs(90)).await;
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    assert!(
+        !e.last_user_text.contains(NOTES_LABEL),
+        "{}",
+        e.last_user_text
+    );
+    assert!(!e.last_user_text.contains("mood: calm"));
+
+    // Replacing kinds: a waiting campaigns note is replaced by the next one.
+    let mut c = Client::connect(gw.cultnet_addr(), "mind", &mind, Duration::from_secs(30))
+        .await
+        .unwrap();
+    put_note(&mut c, &note("s2", "state", "mood: tired")).await;
+    put_note(&mut c, &note("c1", "campaigns", "spring sale")).await;
+    let r = put_note(&mut c, &note("c2", "campaigns", "summer sale")).await;
+    assert_eq!(
+        r.pending_notes, 2,
+        "the spring note was not replaced: {r:?}"
+    );
+    put_note(&mut c, &note("h1", "heads-up", "ops call at nine")).await;
+    let from = mock.ledger().len();
+    mock.script(say("fourth answer"));
+    lobby.send(chat("fourth")).await.unwrap();
+    wait_for_reply(ann, &lobby, "fourth answer", Duration::from_secs(90)).await;
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    for want in [
+        "[state] mood: tired",
+        "[campaigns] summer sale",
+        "[heads-up] ops call at nine",
+    ] {
+        assert!(
+            e.last_user_text.contains(want),
+            "{want}: {}",
+            e.last_user_text
+        );
+    }
+    assert!(!e.user_text.contains("spring sale"));
+
+    // A reset sent while a turn runs waits for its end.
+    let old = status(&dir)["session_id"].as_str().unwrap().to_owned();
+    mock.inject(Fault::Delay(Duration::from_secs(4)));
+    mock.script(say("fifth answer"));
+    let from = mock.ledger().len();
+    lobby.send(chat("fifth")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mock.ledger().len() == from {
+        assert!(Instant::now() < deadline, "the turn never reached the API");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reset = control(&mut c, "reset-1", ControlAction::Reset, None).await;
+    let said = from_vera(ann, &lobby).await;
+    assert!(
+        said.iter().any(|b| b == "fifth answer"),
+        "the reset was answered before the turn in flight ended: {said:?}"
+    );
+    assert_eq!(reset.status, Status::Ok, "{reset:?}");
+    assert_eq!(reset.previous_session_id.as_deref(), Some(old.as_str()));
+    assert_eq!(reset.session_id, None);
+    assert_eq!(reset.generation, 1);
+
+    // The fresh session starts from the latest of each replacing kind and the recent lines.
+    let from = mock.ledger().len();
+    mock.script(say("sixth answer"));
+    lobby.send(chat("sixth")).await.unwrap();
+    wait_for_reply(ann, &lobby, "sixth answer", Duration::from_secs(90)).await;
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    let new = status(&dir)["session_id"].as_str().unwrap().to_owned();
+    assert_ne!(new, old);
+    assert!(e.user_text.contains("## your latest notes (before this session)\n[state] mood: tired\n[campaigns] summer sale\n"), "{}", e.user_text);
+    assert!(e
+        .user_text
+        .contains("## recent lines (before this session)"));
+    for gone in ["mood: calm", "spring sale", "ops call at nine"] {
+        assert!(
+            !e.user_text.contains(gone),
+            "{gone:?} came back: {}",
+            e.user_text
+        );
+    }
+    let st = control(&mut c, "status-1", ControlAction::Status, None).await;
+    assert_eq!(st.session_id.as_deref(), Some(new.as_str()));
+    c.close().await;
+    assert!(gw.stop().success());
+
+    // The old session can still be resumed by its id.
+    let state = dir.join("state/personas/vera");
+    let cfg = session::driver::CliConfig {
+        exe: tests::claude_cli::executable(),
+        model: "claude-sonnet-4-6".into(),
+        system_prompt_file: prompt,
+        json_schema: session::render::reply_schema(),
+        config_dir: state.join("claude"),
+        work_dir: state.join("work"),
+        api_base_url: mock.url(),
+        api_key: "mock-key".into(),
+        cache_ttl: session::cost::Ttl::OneHour,
+        thinking: false,
+        session_id: Some(old.clone()),
+        resume: true,
+        system_prompt_changed: false,
+        max_retries: Some(2),
+        turn_timeout: Duration::from_secs(60),
+        grace: Duration::from_secs(10),
+    };
+    let from = mock.ledger().len();
+    let mut cli = session::driver::Cli::spawn(cfg).await.unwrap();
+    let t = cli
+        .turn("[cultnet batch 99-99: 1 new message(s)]\n[99] ann: still there?")
+        .await
+        .unwrap();
+    assert!(!t.result.is_error, "{:?}", t.result);
+    assert_eq!(t.result.session_id.as_deref(), Some(old.as_str()));
+    let e = answered_since(&mock, from, 1, None).await.remove(0);
+    assert!(
+        e.user_text.contains("hello vera"),
+        "the old conversation is not there"
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+}
