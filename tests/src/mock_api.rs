@@ -565,13 +565,18 @@ fn cache(st: &mut State, blocks: &[Block]) -> Usage {
     usage
 }
 
-/// The text of a `system` or `content` value: a string, or its text blocks joined by newlines.
+/// The text of a `system` or `content` value: a string, or its text blocks (and the content of
+/// its tool results) joined by newlines.
 fn texts(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
         Value::Array(a) => a
             .iter()
-            .filter_map(|b| b["text"].as_str())
+            .map(|b| match b["type"].as_str() {
+                Some("tool_result") => texts(&b["content"]),
+                _ => b["text"].as_str().unwrap_or_default().to_owned(),
+            })
+            .filter(|t| !t.is_empty())
             .collect::<Vec<_>>()
             .join("\n"),
         _ => String::new(),

@@ -336,3 +336,182 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     );
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extensions_reach_a_client_once_and_session_verbs_hold() {
+    let scene = Scene::new("minds-ext", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "me-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let schema = dir.join("reply-schema.json");
+    std::fs::write(
+        &schema,
+        json!({"properties": {"start_self_run": {"type": "object", "required": ["brief"],
+            "additionalProperties": false,
+            "properties": {"brief": {"type": "string", "maxLength": 1000}}}}})
+        .to_string(),
+    )
+    .unwrap();
+    let (session, _) = live_section(
+        &dir,
+        &mock,
+        3000,
+        &format!("reply_schema_file = \"{}\"\n", schema.display()),
+    );
+    let organ = SigningKey::from_bytes(&[12; 32]);
+    let ops = SigningKey::from_bytes(&[13; 32]);
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#me-lobby:localhost"],
+        &[],
+        &format!(
+            "{session}{}{}",
+            client_block("organ", &organ, "\"extensions\", \"note\""),
+            client_block("ops", &ops, "\"session\"")
+        ),
+    );
+    let gw = GatewayProcess::start(&config);
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+
+    // Her reply opens a Self run; the gateway dies before any client pulls it.
+    mock.script(json!({"say": [{"room": room, "text": "on it"}], "start_self_run": {"brief": "tidy the wiki"}}));
+    lobby
+        .send(chat("vera, please tidy the wiki"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &lobby, "on it", Duration::from_secs(90)).await;
+    gw.kill9();
+    let gw = GatewayProcess::start(&config);
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let pull = ExtensionPendingRequest {
+        persona: "vera".into(),
+        after_seq: 0,
+        limit: None,
+    };
+    let page: ExtensionPage = c
+        .request(ids::EXTENSION_PENDING_REQUEST, "x1", &pull)
+        .await
+        .unwrap();
+    assert_eq!(page.extensions.len(), 1, "{page:?}");
+    let ext = &page.extensions[0];
+    assert_eq!(ext.field, "start_self_run");
+    assert_eq!(ext.value, json!({"brief": "tidy the wiki"}));
+    assert!(ext.turn_id.starts_with("turn:vera:"), "{ext:?}");
+    let ack: ExtensionAckReceipt = c
+        .request(
+            ids::EXTENSION_ACK_REQUEST,
+            "x2",
+            &ExtensionAckRequest {
+                persona: "vera".into(),
+                through_seq: page.through_seq,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((ack.status, ack.pending_count), (Status::Ok, 0), "{ack:?}");
+    let again: ExtensionPage = c
+        .request(ids::EXTENSION_PENDING_REQUEST, "x3", &pull)
+        .await
+        .unwrap();
+    assert!(again.extensions.is_empty(), "{again:?}");
+
+    // A field that breaks its schema is bounced back by the CLI (the same schema) and answered
+    // again; only the corrected reply goes out, and only its field is stored.
+    let from = mock.ledger().len();
+    mock.script(json!({"say": [{"room": room, "text": "never sent"}], "start_self_run": {"brief": "x".repeat(1001)}}));
+    mock.script(json!({"say": [{"room": room, "text": "blog later"}], "start_self_run": {"brief": "write the blog"}}));
+    lobby.send(chat("and the blog?")).await.unwrap();
+    wait_for_reply(ann, &lobby, "blog later", Duration::from_secs(90)).await;
+    let turn = answered_since(&mock, from, 2, Some(&gw)).await;
+    assert!(
+        turn[1].user_text.contains("maxLength") || turn[1].user_text.contains("1000"),
+        "the CLI did not bounce the bad field: {}",
+        turn[1].user_text
+    );
+    assert!(!from_vera(ann, &lobby)
+        .await
+        .iter()
+        .any(|b| b == "never sent"));
+    let page: ExtensionPage = c
+        .request(ids::EXTENSION_PENDING_REQUEST, "x4", &pull)
+        .await
+        .unwrap();
+    let briefs: Vec<&serde_json::Value> =
+        page.extensions.iter().map(|e| &e.value["brief"]).collect();
+    assert_eq!(briefs, [&json!("write the blog")]);
+    // A note that wakes her: a turn for it alone.
+    let from = mock.ledger().len();
+    let mut wake = note("r1", "runs", "run 7 finished: wiki tidy");
+    wake.wake = true;
+    let r = put_note(&mut c, &wake).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    assert_eq!(
+        e.last_user_text,
+        format!("[cultnet batch notes: no new messages]\n{NOTES_LABEL}\n[runs] run 7 finished: wiki tidy\n")
+    );
+    turns_total(&dir, 3, &gw).await;
+    c.close().await;
+
+    // Compact shrinks her prefix; a model switch starts fresh on the new model, and stays.
+    let mut o = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let before = status(&dir)["turns"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    let prefix_before = before["input_tokens"].as_u64().unwrap()
+        + before["cache_read_tokens"].as_u64().unwrap()
+        + before["cache_write_tokens"].as_u64().unwrap();
+    let compact = control(&mut o, "c1", ControlAction::Compact, None).await;
+    assert_eq!(compact.status, Status::Ok, "{compact:?}");
+    let after = compact.prefix_tokens.expect("the prefix after compacting");
+    assert!(
+        after < prefix_before,
+        "compacting did not shrink {prefix_before} (now {after})"
+    );
+    let switch = control(&mut o, "m1", ControlAction::Model, Some("claude-opus-4-6")).await;
+    assert_eq!(
+        (switch.status, switch.model.as_str()),
+        (Status::Ok, "claude-opus-4-6"),
+        "{switch:?}"
+    );
+    assert!(switch.previous_session_id.is_some());
+    o.close().await;
+    assert!(gw.stop().success());
+    let gw = GatewayProcess::start(&config);
+    let from = mock.ledger().len();
+    mock.script(json!({"say": [{"room": room, "text": "on opus now"}]}));
+    lobby.send(chat("which model?")).await.unwrap();
+    wait_for_reply(ann, &lobby, "on opus now", Duration::from_secs(90)).await;
+    let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+    assert_eq!(e.model, "claude-opus-4-6");
+    assert!(
+        e.last_user_text.contains("this is a fresh session"),
+        "{}",
+        e.last_user_text
+    );
+    let mut o = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let st = control(&mut o, "s1", ControlAction::Status, None).await;
+    assert_eq!(st.model, "claude-opus-4-6");
+    // An organ may not use operators' verbs.
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let refused = control(&mut c, "r1", ControlAction::Reset, None).await;
+    assert_eq!(refused.status, Status::Rejected);
+    assert!(refused.error.unwrap_or_default().contains("Session"));
+    c.close().await;
+    o.close().await;
+    assert!(gw.stop().success());
+}
