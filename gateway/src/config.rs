@@ -118,6 +118,9 @@ pub struct SessionConfig {
     pub api_base_url: String,
     /// File holding the model API key (mode 0600; never a Matrix token).
     pub api_key_file: Option<PathBuf>,
+    /// Or: file holding a subscription OAuth token (mode 0600), handed to the CLI on a file
+    /// descriptor, never in its environment or argv.
+    pub oauth_token_file: Option<PathBuf>,
     /// Prompt cache TTL: `5m` or `1h`.
     pub cache_ttl: String,
     /// Extended thinking.
@@ -151,6 +154,7 @@ impl Default for SessionConfig {
             system_prompt_file: None,
             api_base_url: "https://api.anthropic.com".to_owned(),
             api_key_file: None,
+            oauth_token_file: None,
             cache_ttl: "1h".to_owned(),
             thinking: false,
             debounce_ms: 2_000,
@@ -505,12 +509,22 @@ impl Config {
                         "required when session.mode = \"live\"",
                     ));
                 }
-                if sc.api_key_file.is_none() {
-                    return Err(err(
-                        who,
-                        "session.api_key_file",
-                        "required when session.mode = \"live\"",
-                    ));
+                match (&sc.api_key_file, &sc.oauth_token_file) {
+                    (None, None) => {
+                        return Err(err(
+                            who,
+                            "session.api_key_file",
+                            "required when session.mode = \"live\" (or session.oauth_token_file)",
+                        ))
+                    }
+                    (Some(_), Some(_)) => {
+                        return Err(err(
+                            who,
+                            "session.oauth_token_file",
+                            "set either session.api_key_file or session.oauth_token_file, not both",
+                        ))
+                    }
+                    _ => {}
                 }
             }
             if !matches!(sc.cache_ttl.as_str(), "5m" | "1h") {
@@ -619,6 +633,23 @@ impl SessionConfig {
         };
         session::render::ReplySchema::new(ext.as_ref())
             .map_err(|e| err(who, "session.reply_schema_file", e.to_string()))
+    }
+
+    /// Reads her model credential: the API key, or the OAuth token (a file readable by group
+    /// or others is refused). Read again whenever the API refuses it, so a rotated key works
+    /// without a restart.
+    pub fn load_credential(
+        &self,
+        persona: &str,
+    ) -> Result<session::driver::Credential, ConfigError> {
+        match &self.oauth_token_file {
+            Some(path) => read_private(path)
+                .map(|t| session::driver::Credential::OAuth(t.0))
+                .map_err(|p| err(Some(persona), "session.oauth_token_file", p)),
+            None => self
+                .load_api_key(persona)
+                .map(|k| session::driver::Credential::ApiKey(k.0)),
+        }
     }
 
     /// Reads the model API key (a file readable by group or others is refused).

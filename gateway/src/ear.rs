@@ -72,6 +72,9 @@ pub struct Signals {
     pub mail: Notify,
     /// Acks freed room in the inbox.
     pub acked: Notify,
+    /// Why her live session cannot take turns now (e.g. the model API refuses her
+    /// credential), for her status; `None` when it can.
+    pub session_error: std::sync::Mutex<Option<String>>,
 }
 
 /// Why a sync round failed.

@@ -759,7 +759,13 @@ impl Service {
                         pending_count: c.pending,
                         highest_seq: c.highest,
                         acked_through: c.acked_through,
-                        last_error: port.failed.clone(),
+                        last_error: port.failed.clone().or_else(|| {
+                            port.signals
+                                .session_error
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .clone()
+                        }),
                     }
                 })
                 .collect(),

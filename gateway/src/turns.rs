@@ -79,6 +79,13 @@ pub enum TurnError {
     /// The model API failed (the CLI gave up after its own retries).
     #[error("the turn ended with an API error (status {0:?})")]
     Api(Option<u16>),
+    /// The model API refused her credential (HTTP 401). The batch stays pending; the
+    /// credential file is read again before each retry.
+    #[error("unauthorized: the model API refused her credential (HTTP 401); fix the file session.api_key_file or session.oauth_token_file names (it is read again before each retry)")]
+    Unauthorized,
+    /// Her credential file cannot be read.
+    #[error("her model credential cannot be read: {0}")]
+    Credential(String),
     /// A say could not be sent now (homeserver down, retries exhausted).
     #[error("say {request_id} not sent yet: {error}")]
     Send {
@@ -144,6 +151,9 @@ struct StatusFile {
     /// Sessions before a reset or model switch, newest last (each still resumable).
     #[serde(default)]
     previous_sessions: Vec<String>,
+    /// Why her session cannot take turns now (`unauthorized: ...`), until a turn succeeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    last_error: Option<String>,
 }
 
 /// A Persona's turn loop.
@@ -227,6 +237,7 @@ impl TurnLoop {
             turns: earlier.turns,
             model: base.model.clone(),
             previous_sessions: earlier.previous_sessions,
+            last_error: None,
         };
         // She has had turns before: her first batch in this run says she was restarted.
         let restarted = (status.turns_total > 0).then_some("the gateway");
@@ -269,14 +280,24 @@ impl TurnLoop {
                 _ = stop.changed() => break,
             };
             match drained {
-                Ok(()) => backoff.reset(),
+                Ok(()) => {
+                    backoff.reset();
+                    self.set_error(None);
+                }
                 Err(e) => {
                     let wait = backoff.next(None);
                     tracing::warn!(persona = %self.persona.id, error = %e, ?wait, "turn round failed; retrying");
+                    let credential =
+                        matches!(e, TurnError::Unauthorized | TurnError::Credential(_));
+                    self.set_error(Some(e.to_string()));
                     tokio::select! {
-                        _ = tokio::time::sleep(wait) => continue,
+                        _ = tokio::time::sleep(wait) => {}
                         _ = stop.changed() => break,
                     }
+                    if credential {
+                        self.reload_credential().await;
+                    }
+                    continue;
                 }
             }
             let forced = loop {
@@ -312,6 +333,36 @@ impl TurnLoop {
             }
         }
         self.shutdown().await;
+    }
+
+    /// Records why her session cannot take turns (for her status file and CultNet status).
+    fn set_error(&mut self, error: Option<String>) {
+        if self.status.last_error == error {
+            return;
+        }
+        *self
+            .signals
+            .session_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = error.clone();
+        self.status.last_error = error;
+        self.save_status();
+    }
+
+    /// Reads her credential file again and restarts her process with it (the credential
+    /// lives in the process's start-up).
+    async fn reload_credential(&mut self) {
+        match self.persona.session.load_credential(&self.persona.id) {
+            Ok(c) => {
+                tracing::info!(persona = %self.persona.id, "model credential read again");
+                self.base.credential = c;
+                self.shutdown().await;
+            }
+            Err(e) => {
+                tracing::error!(persona = %self.persona.id, "model credential: {e}");
+                self.set_error(Some(TurnError::Credential(e.to_string()).to_string()));
+            }
+        }
     }
 
     async fn shutdown(&mut self) {
@@ -761,7 +812,10 @@ impl TurnLoop {
         let turn = turn?;
         let res = &turn.result;
         if res.outcome() == Outcome::ApiError {
-            return Err(TurnError::Api(res.api_error_status));
+            return Err(match res.api_error_status {
+                Some(401) => TurnError::Unauthorized,
+                other => TurnError::Api(other),
+            });
         }
         if let Some(sid) = &res.session_id {
             if self.status.session_id.as_deref() != Some(sid) {

@@ -40,8 +40,8 @@ pub struct CliConfig {
     pub work_dir: PathBuf,
     /// Messages API base URL (`ANTHROPIC_BASE_URL`).
     pub api_base_url: String,
-    /// API key passed to the CLI (the model's, never a Matrix token).
-    pub api_key: String,
+    /// How the CLI authenticates to the model API (the model's, never a Matrix token).
+    pub credential: Credential,
     /// Cache TTL the CLI asks for.
     pub cache_ttl: Ttl,
     /// Extended thinking on or off.
@@ -69,13 +69,40 @@ impl std::fmt::Debug for CliConfig {
             .field("system_prompt_file", &self.system_prompt_file)
             .field("config_dir", &self.config_dir)
             .field("api_base_url", &self.api_base_url)
-            .field("api_key", &"<redacted>")
+            .field("credential", &self.credential)
             .field("cache_ttl", &self.cache_ttl)
             .field("session_id", &self.session_id)
             .field("resume", &self.resume)
             .finish_non_exhaustive()
     }
 }
+
+/// How the CLI authenticates to the model API. Neither secret reaches a log or the CLI's argv;
+/// an OAuth token does not reach its environment either.
+#[derive(Clone)]
+pub enum Credential {
+    /// An API key, as `ANTHROPIC_API_KEY` in the child's environment (built from an explicit
+    /// allow-list, never the gateway's own).
+    ApiKey(String),
+    /// A subscription OAuth token (the main conversation's 1-hour cache TTL depends on a
+    /// subscription), handed over on file descriptor 3 through a pipe
+    /// (`CLAUDE_CODE_OAUTH_TOKEN_FILE_DESCRIPTOR=3`; the CLI reads it and drops the variable).
+    /// `--bare` accepts only API keys, so with this credential the CLI runs without it and adds
+    /// its own reminder blocks (environment, model, date) to user messages.
+    OAuth(String),
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::ApiKey(_) => f.write_str("ApiKey(<redacted>)"),
+            Self::OAuth(_) => f.write_str("OAuth(<redacted>)"),
+        }
+    }
+}
+
+/// The file descriptor an OAuth token is handed over on.
+pub const OAUTH_FD: i32 = 3;
 
 /// What can go wrong driving the CLI.
 #[derive(Debug, thiserror::Error)]
@@ -116,34 +143,31 @@ pub struct Turn {
     pub compacted: Option<proto::CompactMetadata>,
 }
 
-/// The command line and environment every CLI run shares (see the module docs).
-fn command(cfg: &CliConfig) -> Command {
+/// The command line and environment every CLI run shares (see the module docs). An OAuth
+/// token is written into a pipe whose read end becomes the child's fd [`OAUTH_FD`].
+fn command(cfg: &CliConfig) -> Result<Command, DriverError> {
     let mut cmd = Command::new(&cfg.exe);
-    cmd.args([
-        "-p",
-        "--output-format",
-        "stream-json",
-        "--verbose",
-        "--bare",
-    ])
-    .arg("--model")
-    .arg(&cfg.model)
-    .arg("--system-prompt-file")
-    .arg(&cfg.system_prompt_file)
-    .arg("--json-schema")
-    .arg(&cfg.json_schema)
-    .args([
-        "--tools",
-        "",
-        "--settings",
-        r#"{"autoCompactEnabled":false}"#,
-    ]);
+    cmd.args(["-p", "--output-format", "stream-json", "--verbose"]);
+    if matches!(cfg.credential, Credential::ApiKey(_)) {
+        cmd.arg("--bare");
+    }
+    cmd.arg("--model")
+        .arg(&cfg.model)
+        .arg("--system-prompt-file")
+        .arg(&cfg.system_prompt_file)
+        .arg("--json-schema")
+        .arg(&cfg.json_schema)
+        .args([
+            "--tools",
+            "",
+            "--settings",
+            r#"{"autoCompactEnabled":false}"#,
+        ]);
     cmd.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", &cfg.config_dir)
         .env("CLAUDE_CONFIG_DIR", &cfg.config_dir)
         .env("ANTHROPIC_BASE_URL", &cfg.api_base_url)
-        .env("ANTHROPIC_API_KEY", &cfg.api_key)
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
         .env("DISABLE_TELEMETRY", "1")
         .env("DISABLE_ERROR_REPORTING", "1")
@@ -158,19 +182,45 @@ fn command(cfg: &CliConfig) -> Command {
     if let Some(n) = cfg.max_retries {
         cmd.env("CLAUDE_CODE_MAX_RETRIES", n.to_string());
     }
+    match &cfg.credential {
+        Credential::ApiKey(key) => {
+            cmd.env("ANTHROPIC_API_KEY", key);
+        }
+        Credential::OAuth(token) => {
+            use command_fds::{CommandFdExt, FdMapping};
+            use std::io::Write;
+            let spawn_err = |source| DriverError::Spawn {
+                exe: cfg.exe.clone(),
+                source,
+            };
+            let (reader, mut writer) = std::io::pipe().map_err(spawn_err)?;
+            // A token is far smaller than a pipe's buffer: this never blocks.
+            writeln!(writer, "{token}").map_err(spawn_err)?;
+            drop(writer);
+            cmd.fd_mappings(vec![FdMapping {
+                parent_fd: reader.into(),
+                child_fd: OAUTH_FD,
+            }])
+            .map_err(|e| spawn_err(std::io::Error::other(e.to_string())))?;
+            cmd.env(
+                "CLAUDE_CODE_OAUTH_TOKEN_FILE_DESCRIPTOR",
+                OAUTH_FD.to_string(),
+            );
+        }
+    }
     cmd.current_dir(&cfg.work_dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    cmd
+    Ok(cmd)
 }
 
 /// Keep-warm: one forked, unpersisted request on `session_id` (`--resume <id> --fork-session
 /// --no-session-persistence`). It repeats the session's history byte for byte, so it reads and
 /// refreshes the cache entry, and leaves the session's transcript untouched.
 pub async fn refresh_fork(cfg: &CliConfig, session_id: &str) -> Result<ResultEvent, DriverError> {
-    let mut cmd = command(cfg);
+    let mut cmd = command(cfg)?;
     cmd.arg("--resume")
         .arg(session_id)
         .args([
@@ -218,7 +268,7 @@ pub struct Cli {
 impl Cli {
     /// Spawns the CLI and waits until it answers `initialize`.
     pub async fn spawn(cfg: CliConfig) -> Result<Self, DriverError> {
-        let mut cmd = command(&cfg);
+        let mut cmd = command(&cfg)?;
         cmd.args(["--input-format", "stream-json"]);
         if let Some(id) = &cfg.session_id {
             if cfg.resume {
@@ -406,7 +456,7 @@ mod debug_tests {
             config_dir: "c".into(),
             work_dir: "w".into(),
             api_base_url: "http://x".into(),
-            api_key: "sk-very-secret".into(),
+            credential: Credential::ApiKey("sk-very-secret".into()),
             cache_ttl: Ttl::OneHour,
             thinking: false,
             session_id: None,
@@ -421,5 +471,7 @@ mod debug_tests {
             !shown.contains("sk-very-secret") && shown.contains("<redacted>"),
             "{shown}"
         );
+        let oauth = format!("{:?}", Credential::OAuth("sk-ant-oat01-x".into()));
+        assert_eq!(oauth, "OAuth(<redacted>)");
     }
 }

@@ -54,7 +54,7 @@ fn cfg(mock: &MockApi, dir: &Path, system: &Path, ttl: Ttl) -> CliConfig {
         config_dir: dir.join("config"),
         work_dir: dir.join("work"),
         api_base_url: mock.url(),
-        api_key: "mock-key".into(),
+        credential: session::driver::Credential::ApiKey("mock-key".into()),
         cache_ttl: ttl,
         thinking: false,
         session_id: None,

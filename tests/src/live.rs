@@ -15,6 +15,15 @@ pub fn public_hex(key: &ed25519_dalek::SigningKey) -> String {
 
 /// Bodies vera sent in `room`, as `reader` sees them.
 pub async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
+    said_by(reader, room, "@vera:localhost").await
+}
+
+/// Bodies `user` sent in `room`, as `reader` sees them.
+pub async fn said_by(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+) -> Vec<String> {
     sync(reader).await;
     let mut opts = matrix_sdk::room::MessagesOptions::backward();
     opts.limit = 100u32.into();
@@ -24,7 +33,7 @@ pub async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> 
         .iter()
         .filter_map(|e| {
             let v: serde_json::Value = serde_json::from_str(e.raw().json().get()).ok()?;
-            (v["sender"] == "@vera:localhost" && v["type"] == "m.room.message")
+            (v["sender"] == user && v["type"] == "m.room.message")
                 .then(|| v["content"]["body"].as_str().map(str::to_owned))?
         })
         .collect();

@@ -14,8 +14,8 @@
 //!   request with its cost under [`session::cost::Prices`].
 //! - **Faults** on demand (HTTP 400 prompt too long, 529 overloaded, 500, delays), and a 400
 //!   when the prompt exceeds the context window.
-//! - **Credentials**: with [`MockApi::require_key`] set, a request whose `x-api-key` (API key)
-//!   or `Authorization: Bearer` (OAuth token) is not that key gets HTTP 401
+//! - **Credentials**: with [`MockApi::accept_keys`] set, a request whose `x-api-key` (API key)
+//!   or `Authorization: Bearer` (OAuth token) is none of those keys gets HTTP 401
 //!   `authentication_error`, as the API answers a revoked key; the ledger records which kind
 //!   of credential each request carried.
 //! - **Virtual time**: [`MockApi::advance`] moves its clock, so hours of idle replay in seconds.
@@ -119,7 +119,7 @@ struct State {
     ledger: Vec<LedgerEntry>,
     faults: VecDeque<Fault>,
     script: VecDeque<Value>,
-    key: Option<String>,
+    keys: Vec<String>,
 }
 
 impl State {
@@ -132,7 +132,7 @@ impl State {
             ledger: Vec::new(),
             faults: VecDeque::new(),
             script: VecDeque::new(),
-            key: None,
+            keys: Vec::new(),
         }
     }
 
@@ -193,10 +193,10 @@ impl MockApi {
         self.lock().faults.push_back(f);
     }
 
-    /// Accepts only requests carrying `key` (as `x-api-key` or a bearer token) from now on;
-    /// `None` accepts any.
-    pub fn require_key(&self, key: Option<&str>) {
-        self.lock().key = key.map(str::to_owned);
+    /// Accepts only requests carrying one of `keys` (as `x-api-key` or a bearer token) from
+    /// now on; none accepts any.
+    pub fn accept_keys(&self, keys: &[&str]) {
+        self.lock().keys = keys.iter().map(|k| (*k).to_owned()).collect();
     }
 
     /// Queues the `StructuredOutput` input of a coming reply.
@@ -352,10 +352,8 @@ fn answer(
             st.cfg.context_window
         ),
     );
-    let refused = st
-        .key
-        .as_deref()
-        .is_some_and(|want| credential.is_none_or(|(_, got)| got != want));
+    let refused =
+        !st.keys.is_empty() && credential.is_none_or(|(_, got)| !st.keys.iter().any(|k| k == got));
     let error = match fault {
         _ if refused => Some((401, "authentication_error", "invalid x-api-key".to_owned())),
         Some(Fault::PromptTooLong) => Some(too_long),

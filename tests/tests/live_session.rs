@@ -44,7 +44,7 @@ fn config(mock: &MockApi, dir: &std::path::Path) -> CliConfig {
         config_dir: dir.join("config"),
         work_dir: dir.join("work"),
         api_base_url: mock.url(),
-        api_key: "mock-key".into(),
+        credential: session::driver::Credential::ApiKey("mock-key".into()),
         cache_ttl: Ttl::OneHour,
         thinking: false,
         session_id: None,

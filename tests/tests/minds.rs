@@ -311,7 +311,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
         config_dir: state.join("claude"),
         work_dir: state.join("work"),
         api_base_url: mock.url(),
-        api_key: "mock-key".into(),
+        credential: session::driver::Credential::ApiKey("mock-key".into()),
         cache_ttl: session::cost::Ttl::OneHour,
         thinking: false,
         session_id: Some(old.clone()),
@@ -513,5 +513,240 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     assert!(refused.error.unwrap_or_default().contains("Session"));
     c.close().await;
     o.close().await;
+    assert!(gw.stop().success());
+}
+
+/// Bodies `user` said in `room`, waiting (up to 90 s) until `text` is among them.
+async fn wait_said(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+    text: &str,
+    gw: &GatewayProcess,
+) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = tests::live::said_by(reader, room, user).await;
+        if got.iter().any(|b| b == text) {
+            return got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{user} never said {text:?} (said {got:?}); log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Vera's line in the CultNet status.
+async fn persona_status(c: &mut Client, persona: &str) -> wire::docs::PersonaStatus {
+    let s: wire::docs::GatewayStatus = c
+        .request(
+            ids::STATUS_REQUEST,
+            &format!("st-{}", uuid_like()),
+            &wire::docs::StatusRequest {
+                persona: Some(persona.into()),
+            },
+        )
+        .await
+        .unwrap();
+    s.personas.into_iter().next().unwrap()
+}
+
+fn uuid_like() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hidden() {
+    use tests::matrix::{token_for, write_private};
+    let scene = Scene::new("minds-cred", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    scene.hs.register("mira", "mira-pw");
+    let mira_token = token_for(&url, "mira", "mira-pw", "GW-MIRA").await;
+    let lobby = public_room(ann, "mc-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    const OAUTH: &str = "sk-ant-oat01-mira-subscription-token";
+    // Vera's key is refused; Mira's subscription token is accepted.
+    mock.accept_keys(&[OAUTH]);
+    let files = |name: &str, text: &str| {
+        let p = dir.join(name);
+        write_private(&p, text);
+        p
+    };
+    let vera_key = files("vera.key", "sk-ant-api03-old-vera-key");
+    let mira_oauth = files("mira.oauth", OAUTH);
+    let vera_tok = files("vera.token", &scene.vera_token);
+    let mira_tok = files("mira.token", &mira_token);
+    for (who, name) in [("vera", "Vera"), ("mira", "Mira")] {
+        std::fs::write(
+            dir.join(format!("{who}.md")),
+            format!("You are {name}. ").repeat(800),
+        )
+        .unwrap();
+    }
+    let ops = SigningKey::from_bytes(&[14; 32]);
+    let persona = |id: &str, token: &std::path::Path, cred: &str| {
+        format!(
+            r##"
+[[persona]]
+id = "{id}"
+homeserver = "{url}"
+user_id = "@{id}:localhost"
+device_id = "GW-{upper}"
+access_token_file = "{token}"
+rooms = ["#mc-lobby:localhost"]
+[persona.session]
+mode = "live"
+claude = "{claude}"
+model = "claude-sonnet-4-6"
+system_prompt_file = "{prompt}"
+api_base_url = "{api}"
+{cred}
+debounce_ms = 200
+max_wait_ms = 1000
+turn_timeout_secs = 60
+"##,
+            upper = id.to_uppercase(),
+            token = token.display(),
+            claude = tests::claude_cli::executable().display(),
+            prompt = dir.join(format!("{id}.md")).display(),
+            api = mock.url(),
+        )
+    };
+    let config = dir.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n[cultnet]\nbind = \"127.0.0.1:0\"\n{}\n{}\n{}",
+            dir.join("state").display(),
+            client_block("ops", &ops, "\"status\"")
+                .replace("personas = [\"vera\"]", "personas = [\"*\"]"),
+            persona(
+                "vera",
+                &vera_tok,
+                &format!("api_key_file = \"{}\"", vera_key.display())
+            ),
+            persona(
+                "mira",
+                &mira_tok,
+                &format!("oauth_token_file = \"{}\"", mira_oauth.display())
+            ),
+        ),
+    )
+    .unwrap();
+    let gw = GatewayProcess::start(&config);
+
+    // Mira answers while Vera's key is refused.
+    mock.script(json!({"say": [{"room": room, "text": "mira here"}]}));
+    lobby
+        .send(RoomMessageEventContent::text_plain("hello both"))
+        .await
+        .unwrap();
+    wait_said(ann, &lobby, "@mira:localhost", "mira here", &gw).await;
+    let mut c = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let vera = loop {
+        let v = persona_status(&mut c, "vera").await;
+        if v.last_error.is_some() {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no error in her status; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        vera.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("unauthorized"),
+        "{vera:?}"
+    );
+    // "hello both" and Mira's answer wait for her.
+    assert_eq!((vera.acked_through, vera.pending_count), (0, 2), "{vera:?}");
+    assert_eq!(persona_status(&mut c, "mira").await.pending_count, 0);
+    let file: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        file["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("unauthorized"),
+        "{file}"
+    );
+    let refused = mock.ledger().iter().filter(|e| e.status == 401).count();
+    assert!(refused >= 1);
+
+    // The key file is rotated: she answers, without a restart.
+    write_private(&vera_key, "sk-ant-api03-new-vera-key");
+    mock.accept_keys(&[OAUTH, "sk-ant-api03-new-vera-key"]);
+    mock.script(json!({"say": [{"room": room, "text": "vera is back"}]}));
+    let said = wait_said(ann, &lobby, "@vera:localhost", "vera is back", &gw).await;
+    assert_eq!(said, ["vera is back"]);
+    let vera = persona_status(&mut c, "vera").await;
+    assert_eq!((vera.pending_count, vera.last_error), (0, None));
+    assert_eq!(gw.log().matches("gateway running").count(), 1);
+
+    // Mira's token went over a file descriptor: not in her CLI's environment or argv.
+    let pids = std::process::Command::new("pgrep")
+        .args(["-f", &dir.join("mira.md").display().to_string()])
+        .output()
+        .unwrap();
+    let pids = String::from_utf8_lossy(&pids.stdout).to_string();
+    assert!(!pids.trim().is_empty(), "no claude process for mira");
+    for pid in pids.split_whitespace() {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let environ = String::from_utf8_lossy(&environ);
+        assert!(
+            !environ.contains(OAUTH) && !environ.contains("mira-subscription"),
+            "token in environ"
+        );
+        assert!(
+            environ.contains("CLAUDE_CODE_OAUTH_TOKEN_FILE_DESCRIPTOR=3"),
+            "{environ}"
+        );
+        assert!(
+            !String::from_utf8_lossy(&argv).contains("mira-subscription"),
+            "token in argv"
+        );
+    }
+    let ledger = mock.ledger();
+    let mira_auth: Vec<&str> = ledger
+        .iter()
+        .filter(|e| e.system_text.contains("You are Mira."))
+        .map(|e| e.auth.as_str())
+        .collect();
+    assert!(
+        !mira_auth.is_empty() && mira_auth.iter().all(|a| *a == "bearer"),
+        "{mira_auth:?}"
+    );
+    assert!(ledger
+        .iter()
+        .filter(|e| e.system_text.contains("You are Vera."))
+        .all(|e| e.auth == "api-key"));
+    let log = gw.log();
+    for secret in [
+        "old-vera-key",
+        "new-vera-key",
+        "mira-subscription",
+        &scene.vera_token,
+        &mira_token,
+    ] {
+        assert!(!log.contains(secret), "a secret reached the log");
+    }
+    c.close().await;
     assert!(gw.stop().success());
 }

@@ -171,7 +171,7 @@ async fn start_persona(
             config_dir: cfg.state_dir.join("personas").join(&p.id).join("claude"),
             work_dir: cfg.state_dir.join("personas").join(&p.id).join("work"),
             api_base_url: s.api_base_url.clone(),
-            api_key: s.load_api_key(&p.id)?.expose().to_owned(),
+            credential: s.load_credential(&p.id)?,
             cache_ttl: if s.cache_ttl == "5m" {
                 Ttl::FiveMinutes
             } else {
