@@ -735,12 +735,13 @@ impl TurnLoop {
     async fn turn(&mut self, batch: &[Delivery]) -> Result<(), TurnError> {
         let id = self.persona.id.clone();
         let span = batch.first().zip(batch.last()).map(|(f, l)| (f.seq, l.seq));
-        // The notes it shows: those waiting; a retried turn shows the same ones, no newer.
+        // The notes it shows: those waiting; a retried batch shows the same ones, no newer.
         let mut stored = self.inbox.pending_notes(&id)?;
         if let Some(through) = self
             .inbox
             .session_value(&id, "inflight_notes")?
             .and_then(|v| v.parse::<u64>().ok())
+            .filter(|_| span.is_some())
         {
             stored.retain(|n| n.seq <= through);
         }

@@ -73,6 +73,8 @@ pub enum Fault {
     ServerError,
     /// Answer normally after this delay.
     Delay(Duration),
+    /// Answer this request normally (to place a fault on a later one).
+    Pass,
 }
 
 /// One request as billed.

@@ -750,3 +750,75 @@ turn_timeout_secs = 60
     c.close().await;
     assert!(gw.stop().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
+    let scene = Scene::new("minds-overflow", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mo-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#mo-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+    let say = |text: &str| json!({"say": [{"room": room, "text": text}]});
+    mock.script(say("one"));
+    lobby.send(chat("first")).await.unwrap();
+    wait_for_reply(ann, &lobby, "one", Duration::from_secs(90)).await;
+    let sid = status(&dir)["session_id"].as_str().unwrap().to_owned();
+
+    // Refused once: compacted (one summary request), and the same batch goes through.
+    let from = mock.ledger().len();
+    mock.inject(Fault::PromptTooLong);
+    mock.script(say("two"));
+    lobby.send(chat("second")).await.unwrap();
+    wait_for_reply(ann, &lobby, "two", Duration::from_secs(90)).await;
+    let codes: Vec<u16> = mock.ledger()[from..].iter().map(|e| e.status).collect();
+    assert_eq!(codes, [400, 200, 200], "log:\n{}", gw.log());
+    let st = status(&dir);
+    assert_eq!(
+        (st["compactions"].as_u64(), st["generation"].as_u64()),
+        (Some(1), Some(0)),
+        "{st}"
+    );
+    assert_eq!(st["session_id"].as_str(), Some(sid.as_str()));
+    assert!(mock
+        .ledger()
+        .last()
+        .unwrap()
+        .last_user_text
+        .contains("second"));
+
+    // Refused again after compacting: a fresh session, given the recent lines.
+    let from = mock.ledger().len();
+    mock.inject(Fault::PromptTooLong);
+    mock.inject(Fault::Pass);
+    mock.inject(Fault::PromptTooLong);
+    mock.script(say("three"));
+    lobby.send(chat("third")).await.unwrap();
+    wait_for_reply(ann, &lobby, "three", Duration::from_secs(90)).await;
+    let codes: Vec<u16> = mock.ledger()[from..].iter().map(|e| e.status).collect();
+    assert_eq!(codes, [400, 200, 400, 200], "log:\n{}", gw.log());
+    let st = status(&dir);
+    assert_eq!(
+        (st["compactions"].as_u64(), st["generation"].as_u64()),
+        (Some(2), Some(1)),
+        "{st}"
+    );
+    assert_ne!(st["session_id"].as_str(), Some(sid.as_str()));
+    let last = mock.ledger().last().unwrap().clone();
+    assert!(last.last_user_text.contains("third"));
+    assert!(last
+        .last_user_text
+        .contains("## recent lines (before this session)"));
+    assert_eq!(from_vera(ann, &lobby).await, ["one", "two", "three"]);
+    assert!(gw.stop().success());
+}
