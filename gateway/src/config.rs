@@ -143,6 +143,9 @@ pub struct SessionConfig {
     /// Extra top-level fields of her reply (a JSON object `{"properties": {...}, "required":
     /// [...]}`); every such field of a reply goes to the extension outbox for CultNet clients.
     pub reply_schema_file: Option<PathBuf>,
+    /// Before a planned compaction (the policy's or an operator's), one turn asks her to put
+    /// what she must keep into her reply's extension fields (they go to the outbox).
+    pub checkpoint_before_compact: bool,
 }
 
 impl Default for SessionConfig {
@@ -164,6 +167,7 @@ impl Default for SessionConfig {
             context_window: 200_000,
             state_file: None,
             reply_schema_file: None,
+            checkpoint_before_compact: false,
         }
     }
 }

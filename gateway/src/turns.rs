@@ -485,6 +485,9 @@ impl TurnLoop {
                     Err("she has no session to compact yet".to_owned())
                 } else {
                     let before = self.telemetry.prefix_tokens;
+                    if let Err(e) = self.checkpoint().await {
+                        tracing::warn!(persona = %self.persona.id, error = %e, "checkpoint turn failed; compacting anyway");
+                    }
                     match self.compact("operator").await {
                         Ok(()) if self.status.session_id.is_some() => {
                             tracing::info!(
@@ -681,6 +684,48 @@ impl TurnLoop {
         })))
     }
 
+    /// Before a planned compaction, with `checkpoint_before_compact`: one turn that asks her to
+    /// put what she must keep into her reply's extension fields, which go to the outbox; her
+    /// says in it are not sent. A failed checkpoint does not stop the compaction.
+    async fn checkpoint(&mut self) -> Result<(), TurnError> {
+        if !self.persona.session.checkpoint_before_compact || self.status.session_id.is_none() {
+            return Ok(());
+        }
+        let id = self.persona.id.clone();
+        let turn_id = format!(
+            "checkpoint:{id}:{}:{}",
+            self.status.generation,
+            self.status.compactions + 1
+        );
+        let note = Note::new(
+            "checkpoint",
+            "your conversation is about to be compacted: only a summary of it will remain. Put \
+             what you must keep into your reply's fields now. Say nothing: says in this reply \
+             are not sent.",
+        );
+        let text = render::render(&[], &mut self.seen, &[note]);
+        let turn = self.run_cli(&text).await?;
+        match self.schema.check(turn.result.structured_output.as_ref()) {
+            Ok(reply) if turn.result.outcome() == Outcome::Ok => {
+                tracing::info!(%turn_id, fields = reply.extensions.len(), unsent_says = reply.say.len(), "checkpoint turn");
+                self.inbox.commit_turn(
+                    &id,
+                    &TurnCommit {
+                        turn_id: &turn_id,
+                        extensions: &reply.extensions,
+                        at_ms: crate::ear::unix_ms(),
+                        ..TurnCommit::default()
+                    },
+                )?;
+            }
+            Ok(_) => {
+                tracing::warn!(%turn_id, outcome = ?turn.result.outcome(), "checkpoint turn failed")
+            }
+            Err(e) => tracing::warn!(%turn_id, error = %e, "checkpoint reply not kept"),
+        }
+        Ok(())
+    }
+
     /// Whether a turn was refused for a full context.
     fn too_long(turn: &Result<Turn, TurnError>) -> bool {
         matches!(turn, Ok(t) if matches!(t.result.outcome(), Outcome::PromptTooLong | Outcome::BlockingLimit))
@@ -790,7 +835,10 @@ impl TurnLoop {
         tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
         match decision {
             Decision::FreshStart(r) => self.fresh_start(&format!("{r:?}"))?,
-            Decision::Compact(r) => self.compact(&format!("{r:?}")).await?,
+            Decision::Compact(r) => {
+                self.checkpoint().await?;
+                self.compact(&format!("{r:?}")).await?;
+            }
             _ => {}
         }
         let text = self.compose(batch, &stored);

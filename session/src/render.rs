@@ -362,6 +362,16 @@ impl ReplySchema {
         structured: Option<&serde_json::Value>,
         rooms: &[&str],
     ) -> Result<Reply, ReplyError> {
+        let reply = self.check(structured)?;
+        if let Some(bad) = reply.say.iter().find(|s| !rooms.contains(&s.room.as_str())) {
+            return Err(ReplyError::UnknownRoom(bad.room.clone()));
+        }
+        Ok(reply)
+    }
+
+    /// Reads and checks a turn's `structured_output` against the schema only (for a reply
+    /// whose says are not sent).
+    pub fn check(&self, structured: Option<&serde_json::Value>) -> Result<Reply, ReplyError> {
         let v = structured.ok_or(ReplyError::Missing)?;
         if let Some(e) = self.validator.iter_errors(v).next() {
             let at = e.instance_path().to_string();
@@ -381,9 +391,6 @@ impl ReplySchema {
         }
         let mut reply: Reply =
             serde_json::from_value(v.clone()).map_err(|e| ReplyError::Malformed(e.to_string()))?;
-        if let Some(bad) = reply.say.iter().find(|s| !rooms.contains(&s.room.as_str())) {
-            return Err(ReplyError::UnknownRoom(bad.room.clone()));
-        }
         if let Some(obj) = v.as_object() {
             reply.extensions = obj
                 .iter()

@@ -146,6 +146,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     mock.script(say("hi all"));
     lobby.send(chat("hello vera")).await.unwrap();
     wait_for_reply(ann, &lobby, "hi all", Duration::from_secs(90)).await;
+    turns_total(&dir, 1, &gw).await;
 
     // A state note, its repeat, and one too big; then the gateway dies before she sees it.
     let mut c = Client::connect(gw.cultnet_addr(), "mind", &mind, Duration::from_secs(30))
@@ -357,7 +358,10 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
         &dir,
         &mock,
         3000,
-        &format!("reply_schema_file = \"{}\"\n", schema.display()),
+        &format!(
+            "reply_schema_file = \"{}\"\ncheckpoint_before_compact = true\n",
+            schema.display()
+        ),
     );
     let organ = SigningKey::from_bytes(&[12; 32]);
     let ops = SigningKey::from_bytes(&[13; 32]);
@@ -383,6 +387,8 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
         .await
         .unwrap();
     wait_for_reply(ann, &lobby, "on it", Duration::from_secs(90)).await;
+    // The turn is over (its record is written after its commit); nobody has pulled yet.
+    turns_total(&dir, 1, &gw).await;
     gw.kill9();
     let gw = GatewayProcess::start(&config);
     let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
@@ -456,9 +462,11 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
         format!("[cultnet batch notes: no new messages]\n{NOTES_LABEL}\n[runs] run 7 finished: wiki tidy\n")
     );
     turns_total(&dir, 3, &gw).await;
-    c.close().await;
 
-    // Compact shrinks her prefix; a model switch starts fresh on the new model, and stays.
+    // Compact (with a checkpoint turn first) shrinks her prefix; a model switch starts fresh on
+    // the new model, and stays.
+    mock.script(json!({"say": [{"room": room, "text": "not sent"}], "start_self_run": {"brief": "keep: the wiki plan"}}));
+    let from = mock.ledger().len();
     let mut o = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
         .await
         .unwrap();
@@ -478,6 +486,27 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
         after < prefix_before,
         "compacting did not shrink {prefix_before} (now {after})"
     );
+    let checkpoint = answered_since(&mock, from, 2, Some(&gw)).await.remove(0);
+    assert!(
+        checkpoint
+            .last_user_text
+            .contains("[checkpoint] your conversation is about to be compacted"),
+        "{}",
+        checkpoint.last_user_text
+    );
+    let kept: ExtensionPage = c
+        .request(ids::EXTENSION_PENDING_REQUEST, "x5", &pull)
+        .await
+        .unwrap();
+    let last = kept.extensions.last().expect("the checkpoint's field");
+    assert!(
+        last.turn_id.starts_with("checkpoint:vera:"),
+        "{last:?}; log:\n{}",
+        gw.log()
+    );
+    assert_eq!(last.value, json!({"brief": "keep: the wiki plan"}));
+    assert!(!from_vera(ann, &lobby).await.iter().any(|b| b == "not sent"));
+    c.close().await;
     let switch = control(&mut o, "m1", ControlAction::Model, Some("claude-opus-4-6")).await;
     assert_eq!(
         (switch.status, switch.model.as_str()),

@@ -109,9 +109,12 @@ impl Inbox {
             next += 1;
         }
         ops.insert(key(persona, b"ext_next"), &next.to_be_bytes());
-        // The turn is over: nothing is in flight, and she last spoke now.
-        ops.remove(key(persona, b"s:inflight"));
-        ops.remove(key(persona, b"s:inflight_notes"));
+        // The batch is over: nothing is in flight (a checkpoint turn, which shows neither mail
+        // nor notes, runs inside a batch and leaves its marks), and she last spoke now.
+        if t.ack_through.is_some() || !t.notes_shown.is_empty() {
+            ops.remove(key(persona, b"s:inflight"));
+            ops.remove(key(persona, b"s:inflight_notes"));
+        }
         ops.insert(
             key(persona, b"s:last_turn_ms"),
             t.at_ms.to_string().as_bytes(),
