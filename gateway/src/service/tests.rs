@@ -414,3 +414,122 @@ fn rfc3339_matches_known_instants() {
     assert_eq!(rfc3339(1_796_256_000_000), "2026-12-03T00:00:00.000Z");
     assert_eq!(rfc3339(-1), "1969-12-31T23:59:59.999Z");
 }
+
+#[test]
+fn notes_are_stored_for_a_live_session_and_refused_with_a_reason() {
+    use wire::docs::{NoteReceipt, NoteRequest};
+    let mut f = fixture("notes");
+    connect(&mut f.svc, peer(1), "organ", 1, "n").unwrap();
+    connect(&mut f.svc, peer(2), "heartbeat", 2, "n").unwrap();
+    let note = |persona: &str, id: &str, text: &str, wake: bool| NoteRequest {
+        persona: persona.into(),
+        note_id: id.into(),
+        kind: "state".into(),
+        text: text.into(),
+        wake,
+    };
+    let (schema, key, r): (_, _, NoteReceipt) = receipt(&f.svc.handle(
+        peer(1),
+        &put(ids::NOTE_REQUEST, "k1", &note("mira", "s1", "calm", false)),
+    ));
+    assert_eq!((schema.as_str(), key.as_str()), (ids::NOTE_RECEIPT, "k1"));
+    assert_eq!(
+        (r.status, r.duplicate, r.pending_notes),
+        (Status::Ok, false, 1)
+    );
+    assert_eq!(f.inbox.pending_notes("mira").unwrap()[0].text, "calm");
+    // Without wake, her turn loop is not woken; with wake, it is (once, not for a repeat).
+    let woken = |t: &Arc<Notify>| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(20), t.notified())
+                .await
+                .is_ok()
+        })
+    };
+    assert!(!woken(&f.trigger));
+    let (_, _, r): (_, _, NoteReceipt) = receipt(&f.svc.handle(
+        peer(1),
+        &put(ids::NOTE_REQUEST, "k2", &note("mira", "s2", "tired", true)),
+    ));
+    assert_eq!((r.status, r.pending_notes), (Status::Ok, 1), "{r:?}");
+    assert!(woken(&f.trigger));
+    let (_, _, r): (_, _, NoteReceipt) = receipt(&f.svc.handle(
+        peer(1),
+        &put(ids::NOTE_REQUEST, "k3", &note("mira", "s2", "tired", true)),
+    ));
+    assert!(r.duplicate);
+    assert!(!woken(&f.trigger));
+    // Refusals, each with its reason.
+    let refused = |svc: &mut Service, p: SocketAddr, n: &NoteRequest| -> NoteReceipt {
+        let (_, _, r): (_, _, NoteReceipt) =
+            receipt(&svc.handle(p, &put(ids::NOTE_REQUEST, "kx", n)));
+        assert_eq!(r.status, Status::Rejected, "{r:?}");
+        r
+    };
+    let big = refused(
+        &mut f.svc,
+        peer(1),
+        &note("mira", "b", &"x".repeat(20_000), false),
+    );
+    assert!(big.error.unwrap().contains("20000 bytes"));
+    let off = refused(&mut f.svc, peer(1), &note("otto", "o", "x", false));
+    assert!(off.error.unwrap().contains("may not act for"));
+    let verb = refused(&mut f.svc, peer(2), &note("mira", "h", "x", false));
+    assert!(verb.error.unwrap().contains("Note"));
+    assert_eq!(f.inbox.pending_notes("mira").unwrap().len(), 1);
+}
+
+#[test]
+fn session_verbs_reach_only_a_live_session() {
+    use wire::docs::{ControlAction, ControlReceipt, ControlRequest};
+    let mut f = fixture("control");
+    // otto is mouth-only; the organ may act for mira only, so give one client both.
+    f.svc.clients.insert(
+        "ops".into(),
+        (
+            key(3).verifying_key(),
+            client("ops", 3, &["*"], &[Verb::Session]),
+        ),
+    );
+    connect(&mut f.svc, peer(1), "ops", 3, "n").unwrap();
+    let req = |persona: &str| ControlRequest {
+        persona: persona.into(),
+        action: ControlAction::Reset,
+        model: None,
+    };
+    let (_, _, r): (_, _, ControlReceipt) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::CONTROL_REQUEST, "c1", &req("otto"))),
+    );
+    assert_eq!(r.status, Status::Rejected);
+    assert!(r.error.unwrap().contains("mouth-only"));
+    // mira's port has no control channel in this fixture: her loop is "not running".
+    let (_, _, r): (_, _, ControlReceipt) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::CONTROL_REQUEST, "c2", &req("mira"))),
+    );
+    assert_eq!(r.status, Status::Rejected, "{r:?}");
+    // With a channel, the verb is queued and its receipt comes from the loop.
+    let (tx, mut rx) = mpsc::channel(1);
+    f.svc.ports.get_mut("mira").unwrap().controls = Some(tx);
+    let answers = f
+        .svc
+        .handle(peer(1), &put(ids::CONTROL_REQUEST, "c3", &req("mira")));
+    assert!(matches!(&answers[..], [Answer::Control { record_key, .. }] if record_key == "c3"));
+    let queued = rx.try_recv().unwrap();
+    assert_eq!(queued.request.action, ControlAction::Reset);
+    // A full queue is answered at once: failed, retry later.
+    let _second = f
+        .svc
+        .handle(peer(1), &put(ids::CONTROL_REQUEST, "c4", &req("mira")));
+    let (_, _, r): (_, _, ControlReceipt) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::CONTROL_REQUEST, "c5", &req("mira"))),
+    );
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.error.unwrap().contains("retry later"));
+}
