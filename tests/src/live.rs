@@ -70,7 +70,20 @@ pub fn live_section(
     std::fs::write(&prompt, "You are Vera. ".repeat(repeat)).unwrap();
     let key = dir.join("api.key");
     write_private(&key, "mock-key");
-    let section = format!(
+    let credential = format!("api_key_file = \"{}\"", key.display());
+    (session_section(&prompt, mock, &credential, extra), prompt)
+}
+
+/// A live `[persona.session]` section with her doctrine at `prompt`, the mock's URL, a
+/// `credential` line (`api_key_file = ...` or `oauth_token_file = ...`) and `extra` lines:
+/// turns start 200 ms after the last mail (1 s at most) and may take 60 s.
+pub fn session_section(
+    prompt: &std::path::Path,
+    mock: &MockApi,
+    credential: &str,
+    extra: &str,
+) -> String {
+    format!(
         r#"
 [persona.session]
 mode = "live"
@@ -78,7 +91,7 @@ claude = "{claude}"
 model = "claude-sonnet-4-6"
 system_prompt_file = "{prompt}"
 api_base_url = "{api}"
-api_key_file = "{key}"
+{credential}
 debounce_ms = 200
 max_wait_ms = 1000
 turn_timeout_secs = 60
@@ -86,9 +99,7 @@ turn_timeout_secs = 60
         claude = crate::claude_cli::executable().display(),
         prompt = prompt.display(),
         api = mock.url(),
-        key = key.display(),
-    );
-    (section, prompt)
+    )
 }
 
 /// The operator opens an encrypted DM with vera and waits until she has joined.

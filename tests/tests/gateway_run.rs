@@ -73,6 +73,13 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         "the CLI was not respawned; log:\n{}",
         gw.log()
     );
+    // The retried batch tells her that her process was restarted.
+    assert!(
+        mock.ledger().iter().any(|e| e
+            .last_user_text
+            .contains("[restart] your claude process was restarted")),
+        "no restart note after the CLI was killed"
+    );
     assert_eq!(gw.stop().code(), Some(0));
     let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
     let c = inbox.counts("vera").unwrap();

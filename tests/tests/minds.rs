@@ -622,30 +622,10 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     let ops = SigningKey::from_bytes(&[14; 32]);
     let persona = |id: &str, token: &std::path::Path, cred: &str| {
         format!(
-            r##"
-[[persona]]
-id = "{id}"
-homeserver = "{url}"
-user_id = "@{id}:localhost"
-device_id = "GW-{upper}"
-access_token_file = "{token}"
-rooms = ["#mc-lobby:localhost"]
-[persona.session]
-mode = "live"
-claude = "{claude}"
-model = "claude-sonnet-4-6"
-system_prompt_file = "{prompt}"
-api_base_url = "{api}"
-{cred}
-debounce_ms = 200
-max_wait_ms = 1000
-turn_timeout_secs = 60
-"##,
-            upper = id.to_uppercase(),
-            token = token.display(),
-            claude = tests::claude_cli::executable().display(),
-            prompt = dir.join(format!("{id}.md")).display(),
-            api = mock.url(),
+            "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{url}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{}\"\naccess_token_file = \"{}\"\nrooms = [\"#mc-lobby:localhost\"]\n{}",
+            id.to_uppercase(),
+            token.display(),
+            tests::live::session_section(&dir.join(format!("{id}.md")), &mock, cred, ""),
         )
     };
     let config = dir.join("gateway.toml");
