@@ -11,16 +11,36 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// Logs to stderr: text for people, or one JSON object per line (spans included) for the
+/// journal and log shippers. `auto` is JSON when stderr is not a terminal or the journal
+/// reads it (`JOURNAL_STREAM`). `RUST_LOG` filters either.
+fn logs(format: cli::LogFormat) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        "info,matrix_sdk=warn,matrix_sdk_crypto=warn,matrix_sdk_base=warn".into()
+    });
+    let terminal = std::io::stderr().is_terminal();
+    let json = match format {
+        cli::LogFormat::Json => true,
+        cli::LogFormat::Text => false,
+        cli::LogFormat::Auto => !terminal || std::env::var_os("JOURNAL_STREAM").is_some(),
+    };
+    let base = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        base.json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init();
+    } else {
+        base.with_ansi(terminal).init();
+    }
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                "info,matrix_sdk=warn,matrix_sdk_crypto=warn,matrix_sdk_base=warn".into()
-            }),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let args = cli::Args::parse();
+    logs(args.log_format);
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -257,12 +257,17 @@ pub struct GatewayProcess {
 }
 
 impl GatewayProcess {
-    /// Starts `cultnet-gateway run --config CONFIG` and waits (up to 60 s) until it logs that
-    /// it is running.
+    /// Starts `cultnet-gateway --log-format text run --config CONFIG` and waits (up to 60 s)
+    /// until it logs that it is running.
     pub fn start(config: &Path) -> Self {
+        Self::start_logging(config, "text")
+    }
+
+    /// [`GatewayProcess::start`] with logs in `format` (`text` or `json`).
+    pub fn start_logging(config: &Path, format: &str) -> Self {
         use std::io::BufRead;
         let mut child = std::process::Command::new(gateway_bin())
-            .args(["run", "--config"])
+            .args(["--log-format", format, "run", "--config"])
             .arg(config)
             .env(
                 "RUST_LOG",
@@ -320,6 +325,14 @@ impl GatewayProcess {
             .lines()
             .find(|l| l.contains(marker))
             .unwrap_or_else(|| panic!("the gateway did not log {marker:?}:\n{log}"));
+        // A JSON line names the value in its fields.
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+            let name = field.trim_end_matches('=');
+            return v["fields"][name]
+                .as_str()
+                .and_then(|a| a.parse().ok())
+                .unwrap_or_else(|| panic!("no address in {name} of {line}"));
+        }
         // Strip ANSI styling, then read the value after `cultnet=`.
         let mut plain = String::new();
         let mut chars = line.chars();

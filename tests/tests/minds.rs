@@ -649,7 +649,8 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
         ),
     )
     .unwrap();
-    let gw = GatewayProcess::start(&config);
+    // Logs as the journal gets them: one JSON object per line.
+    let gw = GatewayProcess::start_logging(&config, "json");
 
     // Mira answers while Vera's key is refused.
     mock.script(json!({"say": [{"room": room, "text": "mira here"}]}));
@@ -747,6 +748,21 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
         .filter(|e| e.system_text.contains("You are Vera."))
         .all(|e| e.auth == "api-key"));
     let log = gw.log();
+    for line in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {line}"));
+        assert!(
+            v["timestamp"].is_string() && v["level"].is_string(),
+            "{line}"
+        );
+    }
+    // Turn spans name the Persona and the turn.
+    assert!(
+        log.lines().any(|l| l.contains("\"turn done\"")
+            && l.contains("\"persona\":\"mira\"")
+            && l.contains("\"turn\":\"turn:mira:")),
+        "no turn span in the JSON log"
+    );
     for secret in [
         "old-vera-key",
         "new-vera-key",

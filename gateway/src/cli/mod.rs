@@ -12,8 +12,23 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "cultnet-gateway", version, about)]
 pub(crate) struct Args {
+    /// Log format on stderr: text, json (one object per line, with spans), or auto (json when
+    /// stderr is not a terminal or under the journal).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Auto)]
+    pub(crate) log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    /// JSON when stderr is not a terminal or the journal reads it; text otherwise.
+    Auto,
+    /// Lines for people.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
