@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod check;
 pub mod client;
 pub mod config;
 pub mod ear;

@@ -46,6 +46,14 @@ enum Command {
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
     },
+    /// Check a config before starting: one line per check (config, state directory, each
+    /// Persona's token, homeserver, rooms, store, claude CLI and credential, QUIC and client
+    /// keys), each failure with its fix. Exit code 0 when nothing failed, 1 otherwise.
+    Check {
+        /// The configuration file.
+        #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
+        config: PathBuf,
+    },
     /// Make a new CultNet client key: writes its secret (mode 0600) and prints the
     /// `[[cultnet.client]]` block with its public key.
     Keygen {
@@ -134,6 +142,7 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
     match args.command {
         Command::Run { config } => run::run(&config),
         Command::Status { config } => status(&config),
+        Command::Check { config } => check(&config),
         Command::Keygen { out, agent } => client::keygen(&out, &agent),
         Command::Client {
             gateway,
@@ -154,6 +163,26 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             command: WireCommand::Decode { file },
         } => decode::run(&file),
     }
+}
+
+fn check(config: &std::path::Path) -> Result<(), Failure> {
+    use anyhow::Context as _;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let lines = rt.block_on(gateway::check::check(config));
+    for l in &lines {
+        println!("{l}");
+    }
+    if gateway::check::failed(&lines) {
+        let n = lines
+            .iter()
+            .filter(|l| l.level == gateway::check::Level::Fail)
+            .count();
+        return Err(anyhow::anyhow!("{n} check(s) failed").into());
+    }
+    Ok(())
 }
 
 fn status(config: &std::path::Path) -> Result<(), Failure> {

@@ -1,0 +1,606 @@
+//! `cultnet-gateway check`: everything a gateway needs before it starts, one line per check,
+//! each failure with its fix. Read-only: it creates nothing (a state directory that does not
+//! exist yet is only checked for being creatable) and changes no file.
+//!
+//! Checks: the config parses; per Persona her token file (present, private), her homeserver
+//! (answers `/versions`), her token (`whoami`: valid, and hers), her rooms (aliases resolve,
+//! joined), her Matrix store (present when she ran before, same device), and for a live
+//! session the claude CLI (runs; the pinned version recommended), her model credential, her
+//! doctrine, reply schema and state files; then the state directory (writable, not locked by a
+//! running gateway), the QUIC certificate and the CultNet client keys.
+
+use std::path::Path;
+use std::time::Duration;
+
+use matrix_sdk::authentication::matrix::MatrixSession;
+use matrix_sdk::config::RequestConfig;
+use matrix_sdk::ruma::api::client::membership::joined_rooms;
+use matrix_sdk::{Client, SessionMeta, SessionTokens};
+
+use crate::config::{Config, Persona, SessionMode};
+
+/// The claude CLI version the tests pin (`deploy/install-claude-cli.sh`).
+pub const PINNED_CLI: &str = "2.1.332";
+/// How long one network check may take.
+pub const NETWORK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    /// Fine.
+    Ok,
+    /// Works, but worth a look (the gateway still starts).
+    Warn,
+    /// The gateway (or this Persona) will not start, or not work, until it is fixed.
+    Fail,
+}
+
+/// One check's line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Line {
+    /// How it came out.
+    pub level: Level,
+    /// What was checked (`config`, `state`, `vera: token`, ...).
+    pub subject: String,
+    /// What was found.
+    pub found: String,
+    /// What to do about it (failures and warnings).
+    pub fix: Option<String>,
+}
+
+impl std::fmt::Display for Line {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tag = match self.level {
+            Level::Ok => "ok  ",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        };
+        write!(f, "{tag}  {}: {}", self.subject, self.found)?;
+        if let Some(fix) = &self.fix {
+            write!(f, " -> fix: {fix}")?;
+        }
+        Ok(())
+    }
+}
+
+fn ok(subject: &str, found: impl Into<String>) -> Line {
+    Line {
+        level: Level::Ok,
+        subject: subject.to_owned(),
+        found: found.into(),
+        fix: None,
+    }
+}
+
+fn bad(level: Level, subject: &str, found: impl Into<String>, fix: impl Into<String>) -> Line {
+    Line {
+        level,
+        subject: subject.to_owned(),
+        found: found.into(),
+        fix: Some(fix.into()),
+    }
+}
+
+/// Runs every check of the config at `path`.
+pub async fn check(path: &Path) -> Vec<Line> {
+    let cfg = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            return vec![bad(
+                Level::Fail,
+                "config",
+                e.to_string(),
+                format!(
+                    "correct {} (every key is documented in deploy/gateway.example.toml)",
+                    path.display()
+                ),
+            )]
+        }
+    };
+    let mut out = vec![ok(
+        "config",
+        format!(
+            "{} parses ({} Persona(s), {} CultNet client(s))",
+            path.display(),
+            cfg.personas.len(),
+            cfg.cultnet.clients.len()
+        ),
+    )];
+    out.push(state_dir(&cfg.state_dir));
+    for p in &cfg.personas {
+        out.extend(persona(&cfg, p).await);
+    }
+    out.extend(cultnet(&cfg));
+    out
+}
+
+/// Whether any line failed.
+pub fn failed(lines: &[Line]) -> bool {
+    lines.iter().any(|l| l.level == Level::Fail)
+}
+
+fn state_dir(dir: &Path) -> Line {
+    let subject = "state";
+    if !dir.exists() {
+        let parent = dir
+            .ancestors()
+            .skip(1)
+            .find(|a| a.exists())
+            .unwrap_or(Path::new("/"));
+        return match writable(parent) {
+            Ok(()) => ok(
+                subject,
+                format!("{} will be created at the first start", dir.display()),
+            ),
+            Err(e) => bad(
+                Level::Fail,
+                subject,
+                format!(
+                    "{} does not exist and {} is not writable: {e}",
+                    dir.display(),
+                    parent.display()
+                ),
+                format!("create {} for the gateway's user", dir.display()),
+            ),
+        };
+    }
+    if let Err(e) = writable(dir) {
+        return bad(
+            Level::Fail,
+            subject,
+            format!("{} is not writable: {e}", dir.display()),
+            format!("give the gateway's user write access to {}", dir.display()),
+        );
+    }
+    let inbox = dir.join("inbox");
+    if !inbox.exists() {
+        return ok(
+            subject,
+            format!("{} is writable (no inbox yet)", dir.display()),
+        );
+    }
+    match sled::Config::new().path(&inbox).open() {
+        Ok(db) => {
+            drop(db);
+            ok(
+                subject,
+                format!("{} is writable and not in use", dir.display()),
+            )
+        }
+        Err(e) if e.to_string().contains("lock") || e.to_string().contains("WouldBlock") => bad(
+            Level::Fail,
+            subject,
+            format!("{} is locked: a gateway is running with it", dir.display()),
+            "stop that gateway first (systemctl stop cultnet-gateway), or check a config with \
+             its own state_dir",
+        ),
+        Err(e) => bad(
+            Level::Fail,
+            subject,
+            format!("the inbox {} does not open: {e}", inbox.display()),
+            "restore the state directory from a backup",
+        ),
+    }
+}
+
+fn writable(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".cultnet-check-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
+async fn persona(cfg: &Config, p: &Persona) -> Vec<Line> {
+    let mut out = Vec::new();
+    let s = |what: &str| format!("{}: {what}", p.id);
+    let token = match p.load_token() {
+        Ok(t) => {
+            out.push(ok(&s("token"), "readable, owner only"));
+            Some(t)
+        }
+        Err(e) => {
+            let fix = match (&p.access_token_file, e.problem.contains("chmod")) {
+                (Some(f), true) => format!("chmod 600 {}", f.display()),
+                (Some(f), false) => format!(
+                    "write her access token (from a login with device {}) to {} with mode 0600",
+                    p.device_id,
+                    f.display()
+                ),
+                (None, _) => "give the gateway the systemd credential it names".to_owned(),
+            };
+            out.push(bad(Level::Fail, &s("token"), e.problem.clone(), fix));
+            None
+        }
+    };
+    out.extend(matrix(p, token.as_ref().map(|t| t.expose())).await);
+    out.push(store(cfg, p));
+    if p.session.mode == SessionMode::Live {
+        out.extend(live(p).await);
+    }
+    out
+}
+
+/// The homeserver, her token and her rooms.
+async fn matrix(p: &Persona, token: Option<&str>) -> Vec<Line> {
+    let s = |what: &str| format!("{}: {what}", p.id);
+    let mut out = Vec::new();
+    let versions = format!(
+        "{}/_matrix/client/versions",
+        p.homeserver.trim_end_matches('/')
+    );
+    let http = matrix_sdk::reqwest::Client::builder()
+        .timeout(NETWORK_TIMEOUT)
+        .build();
+    let answered = match http {
+        Ok(h) => h.get(&versions).send().await.map(|r| r.status()),
+        Err(e) => {
+            out.push(bad(
+                Level::Fail,
+                &s("homeserver"),
+                e.to_string(),
+                "report this bug",
+            ));
+            return out;
+        }
+    };
+    match answered {
+        Ok(status) if status.is_success() => {
+            out.push(ok(&s("homeserver"), format!("{} answers", p.homeserver)))
+        }
+        Ok(status) => {
+            out.push(bad(
+                Level::Fail,
+                &s("homeserver"),
+                format!("{versions} answered HTTP {status}"),
+                "check homeserver: it must be the client-server API's base URL",
+            ));
+            return out;
+        }
+        Err(e) => {
+            out.push(bad(
+                Level::Fail,
+                &s("homeserver"),
+                format!("{} does not answer: {e}", p.homeserver),
+                "start the homeserver, or correct homeserver in her [[persona]] block",
+            ));
+            return out;
+        }
+    }
+    let Some(token) = token else { return out };
+    let client = match session_client(p, token).await {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(bad(
+                Level::Fail,
+                &s("token"),
+                e,
+                "correct user_id and device_id",
+            ));
+            return out;
+        }
+    };
+    match client.whoami().await {
+        Ok(who) if who.user_id.as_str() == p.user_id => {
+            out.push(ok(&s("token"), format!("valid for {}", p.user_id)));
+            if who
+                .device_id
+                .as_ref()
+                .is_some_and(|d| d.as_str() != p.device_id)
+            {
+                out.push(bad(
+                    Level::Fail,
+                    &s("device"),
+                    format!(
+                        "the token is for device {}, the config names {}",
+                        who.device_id.as_ref().map_or("?", |d| d.as_str()),
+                        p.device_id
+                    ),
+                    "log in with the configured device_id, or set device_id to the token's",
+                ));
+            }
+        }
+        Ok(who) => {
+            out.push(bad(
+                Level::Fail,
+                &s("token"),
+                format!("the token belongs to {}, not {}", who.user_id, p.user_id),
+                format!("put a token of {} in her token file", p.user_id),
+            ));
+            return out;
+        }
+        Err(e) => {
+            let why = match crate::matrix::classify_http(&e) {
+                crate::matrix::Failure::Unauthorized { errcode } => {
+                    format!("the homeserver refuses it ({errcode})")
+                }
+                _ => e.to_string(),
+            };
+            out.push(bad(
+                Level::Fail,
+                &s("token"),
+                why,
+                format!(
+                    "log in as {} with device {} and write the new token to her token file",
+                    p.user_id, p.device_id
+                ),
+            ));
+            return out;
+        }
+    }
+    let joined = client
+        .send(joined_rooms::v3::Request::new())
+        .await
+        .map(|r| r.joined_rooms)
+        .unwrap_or_default();
+    for room in &p.rooms {
+        let subject = s(&format!("room {room}"));
+        let id = if room.starts_with('#') {
+            let Ok(alias) = matrix_sdk::ruma::OwnedRoomAliasId::try_from(room.as_str()) else {
+                out.push(bad(
+                    Level::Fail,
+                    &subject,
+                    "not a room alias",
+                    "correct rooms",
+                ));
+                continue;
+            };
+            match client.resolve_room_alias(&alias).await {
+                Ok(r) => r.room_id,
+                Err(e) => {
+                    out.push(bad(
+                        Level::Fail,
+                        &subject,
+                        format!("the alias does not resolve: {e}"),
+                        "create the room with this alias, or correct rooms",
+                    ));
+                    continue;
+                }
+            }
+        } else {
+            match matrix_sdk::ruma::OwnedRoomId::try_from(room.as_str()) {
+                Ok(id) => id,
+                Err(_) => {
+                    out.push(bad(Level::Fail, &subject, "not a room id", "correct rooms"));
+                    continue;
+                }
+            }
+        };
+        if joined.contains(&id) {
+            out.push(ok(&subject, format!("joined ({id})")));
+        } else {
+            out.push(bad(
+                Level::Warn,
+                &subject,
+                format!("not joined yet ({id})"),
+                "the gateway joins it at start; invite her first if the room is not public",
+            ));
+        }
+    }
+    out
+}
+
+/// A client on her token with an in-memory store (her own store may be in use).
+async fn session_client(p: &Persona, token: &str) -> Result<Client, String> {
+    let user_id = matrix_sdk::ruma::OwnedUserId::try_from(p.user_id.as_str())
+        .map_err(|e| format!("user_id {:?}: {e}", p.user_id))?;
+    let client = Client::builder()
+        .homeserver_url(&p.homeserver)
+        .request_config(
+            RequestConfig::new()
+                .disable_retry()
+                .timeout(NETWORK_TIMEOUT),
+        )
+        .build()
+        .await
+        .map_err(|e| e.to_string())?;
+    client
+        .matrix_auth()
+        .restore_session(
+            MatrixSession {
+                meta: SessionMeta {
+                    user_id,
+                    device_id: p.device_id.as_str().into(),
+                },
+                tokens: SessionTokens {
+                    access_token: token.to_owned(),
+                    refresh_token: None,
+                },
+            },
+            matrix_sdk::store::RoomLoadSettings::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(client)
+}
+
+/// Her Matrix store: present when she ran before, and of the configured device.
+fn store(cfg: &Config, p: &Persona) -> Line {
+    let subject = format!("{}: matrix store", p.id);
+    let paths = crate::matrix::Paths::new(&cfg.state_dir, &p.id);
+    let record = match std::fs::read(&paths.record) {
+        Ok(b) => b,
+        Err(_) => return ok(&subject, "none yet (made at her first start)"),
+    };
+    let device = serde_json::from_slice::<serde_json::Value>(&record)
+        .ok()
+        .and_then(|v| v["device_id"].as_str().map(str::to_owned));
+    if !paths.store.join("matrix-sdk-crypto.sqlite3").exists() {
+        return bad(
+            Level::Fail,
+            &subject,
+            format!(
+                "{} says she ran before, but her store {} is gone (her encrypted rooms would be lost)",
+                paths.record.display(),
+                paths.store.display()
+            ),
+            "restore the state directory from a backup (deploy/README.md: a lost store)",
+        );
+    }
+    match device {
+        Some(d) if d == p.device_id => ok(&subject, format!("present, device {d}")),
+        Some(d) => bad(
+            Level::Fail,
+            &subject,
+            format!(
+                "the store is of device {d}, the config names {}",
+                p.device_id
+            ),
+            "set device_id back, or start over with a new device (deploy/README.md)",
+        ),
+        None => bad(
+            Level::Fail,
+            &subject,
+            format!("{} is unreadable", paths.record.display()),
+            "restore the state directory from a backup",
+        ),
+    }
+}
+
+/// Her live session's parts: the CLI, her credential and files.
+async fn live(p: &Persona) -> Vec<Line> {
+    let s = |what: &str| format!("{}: {what}", p.id);
+    let mut out = Vec::new();
+    let sc = &p.session;
+    let run = tokio::time::timeout(
+        NETWORK_TIMEOUT,
+        tokio::process::Command::new(&sc.claude)
+            .arg("--version")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .output(),
+    )
+    .await;
+    match run {
+        Ok(Ok(o)) if o.status.success() => {
+            let version = String::from_utf8_lossy(&o.stdout).trim().to_owned();
+            if version.starts_with(PINNED_CLI) {
+                out.push(ok(
+                    &s("claude"),
+                    format!("{} runs: {version}", sc.claude.display()),
+                ));
+            } else {
+                out.push(bad(
+                    Level::Warn,
+                    &s("claude"),
+                    format!("{} runs: {version}", sc.claude.display()),
+                    format!("{PINNED_CLI} is the version tested (deploy/install-claude-cli.sh)"),
+                ));
+            }
+        }
+        Ok(Ok(o)) => out.push(bad(
+            Level::Fail,
+            &s("claude"),
+            format!("{} --version exited with {}", sc.claude.display(), o.status),
+            "reinstall it: deploy/install-claude-cli.sh",
+        )),
+        Ok(Err(e)) => out.push(bad(
+            Level::Fail,
+            &s("claude"),
+            format!("{} does not run: {e}", sc.claude.display()),
+            "install it (deploy/install-claude-cli.sh prints its path) and set session.claude",
+        )),
+        Err(_) => out.push(bad(
+            Level::Fail,
+            &s("claude"),
+            format!(
+                "{} --version did not answer within {NETWORK_TIMEOUT:?}",
+                sc.claude.display()
+            ),
+            "reinstall it: deploy/install-claude-cli.sh",
+        )),
+    }
+    match sc.load_credential(&p.id) {
+        Ok(session::driver::Credential::ApiKey(_)) => {
+            out.push(ok(&s("model credential"), "API key readable, owner only"))
+        }
+        Ok(session::driver::Credential::OAuth(_)) => out.push(ok(
+            &s("model credential"),
+            "OAuth token readable, owner only",
+        )),
+        Err(e) => out.push(bad(
+            Level::Fail,
+            &s("model credential"),
+            e.problem.clone(),
+            format!("fix {} (mode 0600, the key inside)", e.key),
+        )),
+    }
+    if let Some(f) = &sc.system_prompt_file {
+        match std::fs::metadata(f) {
+            Ok(m) if m.len() > 0 => out.push(ok(
+                &s("doctrine"),
+                format!("{} ({} bytes)", f.display(), m.len()),
+            )),
+            _ => out.push(bad(
+                Level::Fail,
+                &s("doctrine"),
+                format!("{} is missing or empty", f.display()),
+                "write her doctrine there, or correct session.system_prompt_file",
+            )),
+        }
+    }
+    if sc.reply_schema_file.is_some() {
+        match sc.reply_schema(&p.id) {
+            Ok(_) => out.push(ok(&s("reply schema"), "valid")),
+            Err(e) => out.push(bad(
+                Level::Fail,
+                &s("reply schema"),
+                e.problem.clone(),
+                "correct session.reply_schema_file",
+            )),
+        }
+    }
+    if let Some(f) = &sc.state_file {
+        if std::fs::read_to_string(f).is_err() {
+            out.push(bad(
+                Level::Fail,
+                &s("state file"),
+                format!("{} is not readable text", f.display()),
+                "write her state there, or correct session.state_file",
+            ));
+        }
+    }
+    out
+}
+
+/// The QUIC certificate and the client keys.
+fn cultnet(cfg: &Config) -> Vec<Line> {
+    let mut out = Vec::new();
+    if let Some(q) = &cfg.cultnet.quic {
+        if let (Some(cert), Some(key)) = (&q.cert_file, &q.key_file) {
+            match crate::quic::identity(Some(cert), Some(key), &cfg.state_dir) {
+                Ok(id) => out.push(ok(
+                    "quic",
+                    format!("certificate sha256 {}", id.fingerprint()),
+                )),
+                Err(e) => out.push(bad(
+                    Level::Fail,
+                    "quic",
+                    e.to_string(),
+                    "point cert_file and key_file at a PEM certificate and its key",
+                )),
+            }
+        } else {
+            out.push(ok(
+                "quic",
+                "certificate made (or kept) under the state directory",
+            ));
+        }
+    }
+    for c in &cfg.cultnet.clients {
+        let subject = format!("client {}", c.agent_id);
+        let valid = c
+            .key_bytes()
+            .and_then(|k| ed25519_dalek::VerifyingKey::from_bytes(&k).ok())
+            .is_some();
+        if valid {
+            out.push(ok(&subject, format!("ed25519 key, verbs {:?}", c.verbs)));
+        } else {
+            out.push(bad(
+                Level::Fail,
+                &subject,
+                "public_key is not an ed25519 public key",
+                "paste the key `cultnet-gateway keygen` printed",
+            ));
+        }
+    }
+    out
+}
