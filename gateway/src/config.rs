@@ -339,6 +339,17 @@ pub struct Config {
     /// The Personas.
     #[serde(default, rename = "persona")]
     pub personas: Vec<Persona>,
+    /// Prometheus metrics, `/healthz` and `/readyz` (off when absent).
+    #[serde(default)]
+    pub metrics: Option<MetricsConfig>,
+}
+
+/// The metrics listener.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// A loopback address (a reverse proxy or the local Prometheus agent scrapes it).
+    pub bind: std::net::SocketAddr,
 }
 
 impl Config {
@@ -428,6 +439,18 @@ impl Config {
                     self.cultnet.bind
                 ),
             ));
+        }
+        if let Some(m) = &self.metrics {
+            if !m.bind.ip().is_loopback() {
+                return Err(err(
+                    None,
+                    "metrics.bind",
+                    format!(
+                        "{} is not loopback: metrics are served on loopback only",
+                        m.bind
+                    ),
+                ));
+            }
         }
         self.check_clients()?;
         let mut ids = HashSet::new();

@@ -63,6 +63,8 @@ pub struct EarStats {
     pub rate_limited: AtomicU64,
     /// Rounds skipped because the inbox was full.
     pub held_back: AtomicU64,
+    /// When the last sync round succeeded (ms since the epoch; 0 before the first).
+    pub last_sync_ms: AtomicU64,
 }
 
 /// Signals between the ear and her other tasks.
@@ -315,6 +317,9 @@ impl Ear {
         })
         .await??;
         self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .last_sync_ms
+            .store(u64::try_from(unix_ms()).unwrap_or(0), Ordering::Relaxed);
         if !assigned.is_empty() {
             self.stats
                 .delivered

@@ -22,6 +22,7 @@ pub mod endpoint;
 pub mod event;
 pub mod inbox;
 pub mod matrix;
+pub mod metrics;
 pub mod mouth;
 pub mod quic;
 pub mod service;

@@ -173,6 +173,17 @@ impl Mouth {
 
     /// Sends (at most once per request id) and answers with the receipt.
     pub async fn send(&self, req: &SendRequest) -> SendReceipt {
+        let started = std::time::Instant::now();
+        let receipt = self.send_inner(req).await;
+        crate::metrics::global().send(
+            &self.persona,
+            receipt.status,
+            started.elapsed().as_secs_f64(),
+        );
+        receipt
+    }
+
+    async fn send_inner(&self, req: &SendRequest) -> SendReceipt {
         match self.try_send(req).await {
             Ok(r) => r,
             Err(e) => {

@@ -73,6 +73,19 @@ pub enum Refusal {
     Replay(String),
 }
 
+impl Refusal {
+    /// A short name for the reason (a metrics label).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Auth(AuthError::BadSignature(_)) => "bad_signature",
+            Self::Auth(AuthError::Stale { .. }) => "stale",
+            Self::Auth(_) => "malformed",
+            Self::UnknownAgent(_) => "unknown_agent",
+            Self::Replay(_) => "replay",
+        }
+    }
+}
+
 /// What a Persona offers the service: her inbox side is shared; a mouth and a turn trigger only
 /// when she is running.
 #[derive(Clone)]
@@ -244,10 +257,14 @@ impl Service {
             Ok(agent) => {
                 self.stats.accepted += 1;
                 self.peers.insert(peer, agent.clone());
+                let m = crate::metrics::global();
+                m.connects_accepted.inc();
+                m.peers.set(self.peers.len() as i64);
                 tracing::info!(%peer, %agent, "CultNet client connected");
             }
             Err(why) => {
                 self.stats.refused += 1;
+                crate::metrics::global().refused(why.reason());
                 tracing::warn!(%peer, "CultNet connect refused: {why}");
             }
         }
@@ -286,6 +303,7 @@ impl Service {
     pub fn forget(&mut self, peer: SocketAddr) {
         self.greeted.remove(&peer);
         if let Some(agent) = self.peers.remove(&peer) {
+            crate::metrics::global().peers.set(self.peers.len() as i64);
             tracing::info!(%peer, %agent, "CultNet client gone");
         }
     }

@@ -96,6 +96,20 @@ pub enum TurnError {
     },
 }
 
+impl TurnError {
+    /// A short name for the kind of failure (a metrics label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Inbox(_) => "inbox_error",
+            Self::Cli(_) => "cli_failed",
+            Self::Api(_) => "api_error",
+            Self::Unauthorized => "unauthorized",
+            Self::Credential(_) => "credential_unreadable",
+            Self::Send { .. } => "send_failed",
+        }
+    }
+}
+
 /// One turn's record (status file).
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 #[serde(default)]
@@ -289,6 +303,13 @@ impl TurnLoop {
                     tracing::warn!(persona = %self.persona.id, error = %e, ?wait, "turn round failed; retrying");
                     let credential =
                         matches!(e, TurnError::Unauthorized | TurnError::Credential(_));
+                    crate::metrics::global()
+                        .turns
+                        .get_or_create(&crate::metrics::OutcomeLabels {
+                            persona: self.persona.id.clone(),
+                            outcome: e.kind().to_owned(),
+                        })
+                        .inc();
                     self.set_error(Some(e.to_string()));
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
@@ -376,6 +397,7 @@ impl TurnLoop {
         let now = Instant::now();
         let decision = policy::decide(&self.telemetry, now, &self.policy);
         tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.telemetry, "idle decision");
+        crate::metrics::global().decision(&self.persona.id, decision_name(&decision));
         match decision {
             Decision::KeepWarm => {
                 let Some(sid) = self.status.session_id.clone() else {
@@ -833,6 +855,7 @@ impl TurnLoop {
             policy::decide(&self.telemetry, started, &self.policy)
         };
         tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
+        crate::metrics::global().decision(&id, decision_name(&decision));
         match decision {
             Decision::FreshStart(r) => self.fresh_start(&format!("{r:?}"))?,
             Decision::Compact(r) => {
@@ -928,6 +951,8 @@ impl TurnLoop {
             },
         )?;
         self.restarted = None;
+        // She can take turns again.
+        self.set_error(None);
         if span.is_some() {
             self.signals.acked.notify_one();
         }
@@ -960,6 +985,17 @@ impl TurnLoop {
             cost_usd: usage.cost(&self.prices),
             outcome,
         };
+        let m = crate::metrics::global();
+        m.turn(
+            &id,
+            if record.outcome == "sent" {
+                "sent"
+            } else {
+                "not_sent"
+            },
+            started.elapsed().as_secs_f64(),
+        );
+        m.usage(&id, &usage, record.cost_usd);
         tracing::info!(?record, "turn done");
         self.write_status(record);
         Ok(())
@@ -1037,6 +1073,17 @@ impl TurnLoop {
         {
             tracing::warn!(error = %e, path = %self.status_path.display(), "status file not written");
         }
+    }
+}
+
+/// The name of a refresh decision, without its reason (a metrics label).
+fn decision_name(d: &Decision) -> &'static str {
+    match d {
+        Decision::Continue => "continue",
+        Decision::Compact(_) => "compact",
+        Decision::FreshStart(_) => "fresh_start",
+        Decision::KeepWarm => "keep_warm",
+        Decision::Evict => "evict",
     }
 }
 

@@ -314,6 +314,11 @@ impl GatewayProcess {
         self.logged_addr("gateway running", "cultnet=")
     }
 
+    /// The metrics address it logged (`addr=ADDR` in "metrics on").
+    pub fn metrics_addr(&self) -> std::net::SocketAddr {
+        self.logged_addr("metrics on", "addr=")
+    }
+
     /// The QUIC address it logged (`addr=ADDR` in "CultNet over QUIC").
     pub fn quic_addr(&self) -> std::net::SocketAddr {
         self.logged_addr("CultNet over QUIC", "addr=")

@@ -257,6 +257,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     assert!(!e.user_text.contains("spring sale"));
 
     // A reset sent while a turn runs waits for its end.
+    turns_total(&dir, 4, &gw).await;
     let old = status(&dir)["session_id"].as_str().unwrap().to_owned();
     mock.inject(Fault::Delay(Duration::from_secs(4)));
     mock.script(say("fifth answer"));
@@ -283,6 +284,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     mock.script(say("sixth answer"));
     lobby.send(chat("sixth")).await.unwrap();
     wait_for_reply(ann, &lobby, "sixth answer", Duration::from_secs(90)).await;
+    turns_total(&dir, 6, &gw).await;
     let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
     let new = status(&dir)["session_id"].as_str().unwrap().to_owned();
     assert_ne!(new, old);
@@ -433,6 +435,8 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     mock.script(json!({"say": [{"room": room, "text": "blog later"}], "start_self_run": {"brief": "write the blog"}}));
     lobby.send(chat("and the blog?")).await.unwrap();
     wait_for_reply(ann, &lobby, "blog later", Duration::from_secs(90)).await;
+    // Her says go out before the turn's commit stores its fields.
+    turns_total(&dir, 2, &gw).await;
     let turn = answered_since(&mock, from, 2, Some(&gw)).await;
     assert!(
         turn[1].user_text.contains("maxLength") || turn[1].user_text.contains("1000"),
@@ -705,8 +709,16 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     mock.script(json!({"say": [{"room": room, "text": "vera is back"}]}));
     let said = wait_said(ann, &lobby, "@vera:localhost", "vera is back", &gw).await;
     assert_eq!(said, ["vera is back"]);
-    let vera = persona_status(&mut c, "vera").await;
-    assert_eq!((vera.pending_count, vera.last_error), (0, None));
+    // Her says go out before her turn is committed: wait for the commit.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let vera = persona_status(&mut c, "vera").await;
+        if (vera.pending_count, vera.last_error.as_deref()) == (0, None) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still {vera:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(gw.log().matches("gateway running").count(), 1);
 
     // Mira's token went over a file descriptor: not in her CLI's environment or argv.
@@ -798,6 +810,7 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     mock.script(say("one"));
     lobby.send(chat("first")).await.unwrap();
     wait_for_reply(ann, &lobby, "one", Duration::from_secs(90)).await;
+    turns_total(&dir, 1, &gw).await;
     let sid = status(&dir)["session_id"].as_str().unwrap().to_owned();
 
     // Refused once: compacted (one summary request), and the same batch goes through.
@@ -806,6 +819,7 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     mock.script(say("two"));
     lobby.send(chat("second")).await.unwrap();
     wait_for_reply(ann, &lobby, "two", Duration::from_secs(90)).await;
+    turns_total(&dir, 2, &gw).await;
     let codes: Vec<u16> = mock.ledger()[from..].iter().map(|e| e.status).collect();
     assert_eq!(codes, [400, 200, 200], "log:\n{}", gw.log());
     let st = status(&dir);
@@ -830,6 +844,7 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     mock.script(say("three"));
     lobby.send(chat("third")).await.unwrap();
     wait_for_reply(ann, &lobby, "three", Duration::from_secs(90)).await;
+    turns_total(&dir, 3, &gw).await;
     let codes: Vec<u16> = mock.ledger()[from..].iter().map(|e| e.status).collect();
     assert_eq!(codes, [400, 200, 400, 200], "log:\n{}", gw.log());
     let st = status(&dir);

@@ -43,6 +43,27 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let mut tasks = JoinSet::new();
     let mut started = 0;
     let mut ports = BTreeMap::new();
+    let (endpoint, events, _) =
+        endpoint::spawn(EndpointConfig::new(cfg.cultnet.bind, client::rand_seed()))
+            .await
+            .context("starting the CultNet endpoint")?;
+    let cultnet = endpoint.local_addr();
+    // The metrics listener comes up first: /readyz says who has not synced yet.
+    let shared: gateway::metrics::Ports = Arc::default();
+    if let Some(m) = &cfg.metrics {
+        let ids = cfg.personas.iter().map(|p| p.id.clone()).collect();
+        let addr = gateway::metrics::serve(
+            m.bind,
+            inbox.clone(),
+            ids,
+            shared.clone(),
+            endpoint.clone(),
+            stop_rx.clone(),
+        )
+        .await
+        .with_context(|| format!("starting the metrics listener on {}", m.bind))?;
+        tracing::info!(%addr, "metrics on /metrics, /healthz, /readyz");
+    }
     for p in &cfg.personas {
         let span = tracing::info_span!("persona", id = %p.id);
         let _enter = span.enter();
@@ -63,16 +84,15 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
                 }
             }
         };
+        shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p.id.clone(), port.clone());
         ports.insert(p.id.clone(), port);
     }
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
-    let (endpoint, events, _) =
-        endpoint::spawn(EndpointConfig::new(cfg.cultnet.bind, client::rand_seed()))
-            .await
-            .context("starting the CultNet endpoint")?;
-    let cultnet = endpoint.local_addr();
     let runtime_id = format!("cultnet-gateway-{}", uuid::Uuid::new_v4());
     let service = Service::new(
         &runtime_id,

@@ -1,0 +1,610 @@
+//! Prometheus metrics (prometheus-client), and the loopback listener that serves them with
+//! `/healthz` and `/readyz`.
+//!
+//! Two kinds: events counted where they happen (turns, tokens, cost, refresh decisions, sends,
+//! Connects) in the process-wide [`global`] families, and state read at each scrape (pending
+//! mail, sync progress and errors, CultNet peers and datagrams) into a [`Snapshot`] that the
+//! registry's collector encodes. Names start with `cultnet_gateway_`; the Grafana dashboard in
+//! `deploy/grafana-dashboard.json` uses them.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+
+use crate::endpoint::EndpointHandle;
+use crate::inbox::Inbox;
+use crate::service::Port;
+
+/// A Persona label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PersonaLabel {
+    /// Persona id.
+    pub persona: String,
+}
+
+/// A Persona and what happened.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// Persona id.
+    pub persona: String,
+    /// `sent`, `correction`, `api_error`, `unauthorized`, ... (turns); `ok`, `failed`,
+    /// `rejected` (sends); the decision's name (refresh decisions).
+    pub outcome: String,
+}
+
+/// A Persona and a kind of token.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    /// Persona id.
+    pub persona: String,
+    /// `cache_read`, `cache_write`, `uncached`, `output`.
+    pub kind: String,
+}
+
+/// Why a Connect was refused.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// `malformed`, `bad_signature`, `stale`, `unknown_agent`, `replay`.
+    pub reason: String,
+}
+
+/// The event metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    /// Turns by outcome.
+    pub turns: Family<OutcomeLabels, Counter>,
+    /// Turn wall time, CLI included.
+    pub turn_seconds: Family<PersonaLabel, Histogram, fn() -> Histogram>,
+    /// Prompt and output tokens by kind.
+    pub tokens: Family<TokenLabels, Counter>,
+    /// Billed cost by the price table.
+    pub cost_usd: Family<PersonaLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
+    /// The refresh policy's decisions.
+    pub decisions: Family<OutcomeLabels, Counter>,
+    /// Sends by status.
+    pub sends: Family<OutcomeLabels, Counter>,
+    /// Send latency (request -> receipt).
+    pub send_seconds: Family<PersonaLabel, Histogram, fn() -> Histogram>,
+    /// Connects accepted.
+    pub connects_accepted: Counter,
+    /// Connects refused, by reason.
+    pub connects_refused: Family<ReasonLabel, Counter>,
+    /// Authenticated CultNet peers now.
+    pub peers: Gauge,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 5 ms .. ~164 s.
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+impl Metrics {
+    fn new() -> Self {
+        Self {
+            turns: Family::default(),
+            turn_seconds: Family::new_with_constructor(seconds_histogram),
+            tokens: Family::default(),
+            cost_usd: Family::default(),
+            decisions: Family::default(),
+            sends: Family::default(),
+            send_seconds: Family::new_with_constructor(seconds_histogram),
+            connects_accepted: Counter::default(),
+            connects_refused: Family::default(),
+            peers: Gauge::default(),
+        }
+    }
+
+    /// Counts a finished turn.
+    pub fn turn(&self, persona: &str, outcome: &str, seconds: f64) {
+        self.turns
+            .get_or_create(&OutcomeLabels {
+                persona: persona.to_owned(),
+                outcome: outcome.to_owned(),
+            })
+            .inc();
+        self.turn_seconds
+            .get_or_create(&PersonaLabel {
+                persona: persona.to_owned(),
+            })
+            .observe(seconds);
+    }
+
+    /// Books a turn's usage and cost.
+    pub fn usage(&self, persona: &str, usage: &session::cost::Usage, cost: f64) {
+        for (kind, n) in [
+            ("cache_read", usage.cache_read),
+            ("cache_write", usage.cache_write_5m + usage.cache_write_1h),
+            ("uncached", usage.input),
+            ("output", usage.output),
+        ] {
+            self.tokens
+                .get_or_create(&TokenLabels {
+                    persona: persona.to_owned(),
+                    kind: kind.to_owned(),
+                })
+                .inc_by(n);
+        }
+        self.cost_usd
+            .get_or_create(&PersonaLabel {
+                persona: persona.to_owned(),
+            })
+            .inc_by(cost);
+    }
+
+    /// Counts a refresh decision (`Continue`, `Compact`, `FreshStart`, `KeepWarm`, `Evict`).
+    pub fn decision(&self, persona: &str, decision: &str) {
+        self.decisions
+            .get_or_create(&OutcomeLabels {
+                persona: persona.to_owned(),
+                outcome: decision.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a send and its latency.
+    pub fn send(&self, persona: &str, status: wire::docs::Status, seconds: f64) {
+        let status = match status {
+            wire::docs::Status::Ok => "ok",
+            wire::docs::Status::Rejected => "rejected",
+            wire::docs::Status::Failed => "failed",
+            wire::docs::Status::Unknown => "unknown",
+        };
+        self.sends
+            .get_or_create(&OutcomeLabels {
+                persona: persona.to_owned(),
+                outcome: status.to_owned(),
+            })
+            .inc();
+        self.send_seconds
+            .get_or_create(&PersonaLabel {
+                persona: persona.to_owned(),
+            })
+            .observe(seconds);
+    }
+
+    /// Counts a refused Connect.
+    pub fn refused(&self, reason: &str) {
+        self.connects_refused
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+}
+
+static GLOBAL: LazyLock<Arc<Metrics>> = LazyLock::new(|| Arc::new(Metrics::new()));
+
+/// The process's event metrics.
+pub fn global() -> &'static Metrics {
+    &GLOBAL
+}
+
+/// State read at a scrape.
+#[derive(Debug, Default, Clone)]
+pub struct Snapshot {
+    /// Per Persona.
+    pub personas: BTreeMap<String, PersonaSnapshot>,
+    /// Datagrams received and sent by the CultNet endpoint.
+    pub datagrams_in: u64,
+    /// Sent.
+    pub datagrams_out: u64,
+    /// Dropped before any session state, by reason.
+    pub dropped: Vec<(&'static str, u64)>,
+}
+
+/// One Persona's state at a scrape.
+#[derive(Debug, Default, Clone)]
+pub struct PersonaSnapshot {
+    /// Deliveries pending.
+    pub pending: u64,
+    /// Seconds since her last successful sync (absent before the first).
+    pub sync_lag: Option<f64>,
+    /// Sync rounds.
+    pub syncs: u64,
+    /// Sync rounds that failed, by kind.
+    pub sync_errors: u64,
+    /// 429 waits.
+    pub rate_limited: u64,
+    /// Rounds held back at `max_pending`.
+    pub held_back: u64,
+    /// Deliveries stored.
+    pub delivered: u64,
+    /// She failed to start (reported, not retried).
+    pub failed: bool,
+}
+
+impl Snapshot {
+    /// Reads the state of the configured Personas `ids` (those not in `ports` have not
+    /// started yet) and of `endpoint` now.
+    pub async fn read(
+        inbox: &Inbox,
+        ids: &[String],
+        ports: &BTreeMap<String, Port>,
+        endpoint: &EndpointHandle,
+    ) -> Self {
+        let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+        let starting = Port::new("", 0);
+        let personas = ids
+            .iter()
+            .map(|id| (id, ports.get(id).unwrap_or(&starting)))
+            .map(|(id, port)| {
+                let c = inbox.counts(id).unwrap_or_default();
+                let ear = port.ear.as_ref();
+                let load = |f: fn(&crate::ear::EarStats) -> &std::sync::atomic::AtomicU64| {
+                    ear.map_or(0, |e| f(e).load(Ordering::Relaxed))
+                };
+                let last = load(|e| &e.last_sync_ms);
+                (
+                    id.clone(),
+                    PersonaSnapshot {
+                        pending: c.pending,
+                        sync_lag: (last > 0).then(|| now.saturating_sub(last) as f64 / 1000.0),
+                        syncs: load(|e| &e.syncs),
+                        sync_errors: load(|e| &e.errors),
+                        rate_limited: load(|e| &e.rate_limited),
+                        held_back: load(|e| &e.held_back),
+                        delivered: load(|e| &e.delivered),
+                        failed: port.failed.is_some(),
+                    },
+                )
+            })
+            .collect();
+        let mut s = Self {
+            personas,
+            ..Self::default()
+        };
+        if let Ok(e) = endpoint.stats().await {
+            s.datagrams_in = e.datagrams_received;
+            s.datagrams_out = e.datagrams_sent;
+            s.dropped = vec![
+                ("malformed", e.hub.malformed),
+                ("wrong_connection_id", e.hub.wrong_connection_id),
+                ("unknown_peer", e.hub.unknown_peer),
+                ("peers_full", e.hub.peers_full),
+                ("queue_full", e.hub.raw_dropped),
+            ];
+        }
+        s
+    }
+
+    /// Ready: every Persona has synced once, or was reported failed. The ones that are not.
+    pub fn not_ready(&self) -> Vec<&str> {
+        self.personas
+            .iter()
+            .filter(|(_, p)| !p.failed && p.syncs == 0)
+            .map(|(id, _)| id.as_str())
+            .collect()
+    }
+}
+
+/// Encodes the latest [`Snapshot`] on each scrape.
+#[derive(Debug, Default)]
+struct StateCollector(Arc<Mutex<Snapshot>>);
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let per = |encoder: &mut DescriptorEncoder,
+                   name: &str,
+                   help: &str,
+                   counter: bool,
+                   value: &dyn Fn(&PersonaSnapshot) -> Option<f64>|
+         -> Result<(), std::fmt::Error> {
+            let kind = if counter {
+                prometheus_client::metrics::MetricType::Counter
+            } else {
+                prometheus_client::metrics::MetricType::Gauge
+            };
+            let mut family = encoder.encode_descriptor(name, help, None, kind)?;
+            for (id, p) in &s.personas {
+                let Some(v) = value(p) else { continue };
+                let labels = PersonaLabel {
+                    persona: id.clone(),
+                };
+                let m = family.encode_family(&labels)?;
+                if counter {
+                    ConstCounter::new(v as u64).encode(m)?;
+                } else {
+                    ConstGauge::new(v).encode(m)?;
+                }
+            }
+            Ok(())
+        };
+        per(
+            &mut encoder,
+            "pending",
+            "Deliveries waiting to be acknowledged",
+            false,
+            &|p| Some(p.pending as f64),
+        )?;
+        per(
+            &mut encoder,
+            "sync_lag_seconds",
+            "Seconds since her last successful sync",
+            false,
+            &|p| p.sync_lag,
+        )?;
+        per(&mut encoder, "syncs", "Sync rounds stored", true, &|p| {
+            Some(p.syncs as f64)
+        })?;
+        per(
+            &mut encoder,
+            "sync_errors",
+            "Sync rounds that failed",
+            true,
+            &|p| Some(p.sync_errors as f64),
+        )?;
+        per(
+            &mut encoder,
+            "sync_429_waits",
+            "Waits a 429 from the homeserver asked for",
+            true,
+            &|p| Some(p.rate_limited as f64),
+        )?;
+        per(
+            &mut encoder,
+            "sync_held_back",
+            "Sync rounds held back at max_pending",
+            true,
+            &|p| Some(p.held_back as f64),
+        )?;
+        per(&mut encoder, "delivered", "Deliveries stored", true, &|p| {
+            Some(p.delivered as f64)
+        })?;
+        per(
+            &mut encoder,
+            "persona_failed",
+            "1 when she could not start",
+            false,
+            &|p| Some(f64::from(u8::from(p.failed))),
+        )?;
+        let c = ConstCounter::new(s.datagrams_in);
+        c.encode(encoder.encode_descriptor(
+            "datagrams_in",
+            "CultNet datagrams received",
+            None,
+            c.metric_type(),
+        )?)?;
+        let c = ConstCounter::new(s.datagrams_out);
+        c.encode(encoder.encode_descriptor(
+            "datagrams_out",
+            "CultNet datagrams sent",
+            None,
+            c.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "datagrams_dropped",
+            "CultNet datagrams dropped before any session state, by reason",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (reason, n) in &s.dropped {
+            let labels = ReasonLabel {
+                reason: (*reason).to_owned(),
+            };
+            ConstCounter::new(*n).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The registry: the [`global`] event metrics and the state collector.
+fn registry(state: Arc<Mutex<Snapshot>>) -> Registry {
+    let m = &*GLOBAL;
+    let mut r = Registry::with_prefix("cultnet_gateway");
+    r.register(
+        "turns",
+        "Turns of her live session, by outcome",
+        m.turns.clone(),
+    );
+    r.register(
+        "turn_duration_seconds",
+        "Turn wall time, CLI included",
+        m.turn_seconds.clone(),
+    );
+    r.register(
+        "tokens",
+        "Prompt and output tokens, by kind",
+        m.tokens.clone(),
+    );
+    r.register(
+        "cost_usd",
+        "Billed cost by the price table",
+        m.cost_usd.clone(),
+    );
+    r.register(
+        "refresh_decisions",
+        "The refresh policy's decisions",
+        m.decisions.clone(),
+    );
+    r.register("sends", "Matrix sends, by status", m.sends.clone());
+    r.register(
+        "send_duration_seconds",
+        "Send request to receipt",
+        m.send_seconds.clone(),
+    );
+    r.register(
+        "connects_accepted",
+        "CultNet Connects accepted",
+        m.connects_accepted.clone(),
+    );
+    r.register(
+        "connects_refused",
+        "CultNet Connects refused, by reason",
+        m.connects_refused.clone(),
+    );
+    r.register(
+        "cultnet_peers",
+        "Authenticated CultNet peers",
+        m.peers.clone(),
+    );
+    r.register_collector(Box::new(StateCollector(state)));
+    r
+}
+
+/// The Personas as they start (shared with the metrics listener, which starts first).
+pub type Ports = Arc<Mutex<BTreeMap<String, Port>>>;
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `bind` until `stop` turns true. `ids` are
+/// the configured Personas; `ports` fills as they start (until then they are not ready).
+pub async fn serve(
+    bind: SocketAddr,
+    inbox: Inbox,
+    ids: Vec<String>,
+    ports: Ports,
+    endpoint: EndpointHandle,
+    mut stop: watch::Receiver<bool>,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(bind).await?;
+    let addr = listener.local_addr()?;
+    let state = Arc::new(Mutex::new(Snapshot::default()));
+    let registry = Arc::new(registry(state.clone()));
+    tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = tokio::select! {
+                a = listener.accept() => match a {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!("metrics listener: {e}");
+                        continue;
+                    }
+                },
+                _ = stop.changed() => break,
+            };
+            let now = ports.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let snapshot = Snapshot::read(&inbox, &ids, &now, &endpoint).await;
+            let not_ready: Vec<String> = snapshot
+                .not_ready()
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            *state.lock().unwrap_or_else(|p| p.into_inner()) = snapshot;
+            let registry = registry.clone();
+            tokio::spawn(async move {
+                // The whole request head (at most 8 KiB, 5 s): answering before it is all read
+                // would reset the connection under a client still writing it.
+                let mut buf = Vec::with_capacity(1024);
+                let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    let mut chunk = [0u8; 1024];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+                        match stream.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return false,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    true
+                })
+                .await;
+                if !matches!(read, Ok(true)) {
+                    return;
+                }
+                let head = String::from_utf8_lossy(&buf);
+                let path = head.split_whitespace().nth(1).unwrap_or("/");
+                let (status, kind, body) = match path {
+                    "/metrics" => {
+                        let mut text = String::new();
+                        match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                            Ok(()) => (
+                                "200 OK",
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                                text,
+                            ),
+                            Err(e) => ("500 Internal Server Error", "text/plain", e.to_string()),
+                        }
+                    }
+                    "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
+                    "/readyz" if not_ready.is_empty() => {
+                        ("200 OK", "text/plain", "ready\n".to_owned())
+                    }
+                    "/readyz" => (
+                        "503 Service Unavailable",
+                        "text/plain",
+                        format!("not ready: {} not synced yet\n", not_ready.join(", ")),
+                    ),
+                    _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),
+                };
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(reply.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_registry_encodes_events_and_state() {
+        let state = Arc::new(Mutex::new(Snapshot {
+            personas: [(
+                "mira".to_owned(),
+                PersonaSnapshot {
+                    pending: 3,
+                    sync_lag: Some(1.5),
+                    syncs: 7,
+                    ..PersonaSnapshot::default()
+                },
+            )]
+            .into(),
+            datagrams_in: 11,
+            datagrams_out: 12,
+            dropped: vec![("malformed", 2)],
+        }));
+        global().refused("replay");
+        global().send("mira", wire::docs::Status::Ok, 0.02);
+        let r = registry(state);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+        for want in [
+            "cultnet_gateway_pending{persona=\"mira\"} 3",
+            "cultnet_gateway_sync_lag_seconds{persona=\"mira\"} 1.5",
+            "cultnet_gateway_syncs_total{persona=\"mira\"} 7",
+            "cultnet_gateway_datagrams_in_total 11",
+            "cultnet_gateway_datagrams_dropped_total{reason=\"malformed\"} 2",
+            "cultnet_gateway_connects_refused_total{reason=\"replay\"}",
+            "cultnet_gateway_sends_total{persona=\"mira\",outcome=\"ok\"}",
+            "# EOF",
+        ] {
+            assert!(text.contains(want), "{want:?} missing:\n{text}");
+        }
+        let s = Snapshot {
+            personas: [
+                (
+                    "a".to_owned(),
+                    PersonaSnapshot {
+                        syncs: 1,
+                        ..Default::default()
+                    },
+                ),
+                ("b".to_owned(), PersonaSnapshot::default()),
+                (
+                    "c".to_owned(),
+                    PersonaSnapshot {
+                        failed: true,
+                        ..Default::default()
+                    },
+                ),
+            ]
+            .into(),
+            ..Snapshot::default()
+        };
+        assert_eq!(s.not_ready(), ["b"]);
+    }
+}

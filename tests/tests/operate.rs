@@ -1,0 +1,225 @@
+//! Operating the gateway: its Prometheus metrics, `/healthz` and `/readyz`, scraped from the
+//! running binary with an HTTP client and parsed with a Prometheus text parser.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use gateway::client::Client;
+use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use tests::live::{live_section, public_hex, wait_for_reply};
+use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::mock_api::{MockApi, MockConfig};
+use tests::synapse::Limits;
+use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
+
+/// `GET path` on `addr`: status code and body.
+fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    tests::synapse::get(addr.port(), path, None)
+}
+
+/// Every sample of a scrape, by name and labels (`name{a="x",b="y"}` with sorted labels).
+fn scrape(addr: SocketAddr, gw: &GatewayProcess) -> HashMap<String, f64> {
+    let (code, body) = get(addr, "/metrics")
+        .unwrap_or_else(|| panic!("no answer to a scrape; log:\n{}", gw.log()));
+    assert_eq!(code, 200, "{body}");
+    let lines = body.lines().map(|l| Ok(l.to_owned()));
+    let parsed = prometheus_parse::Scrape::parse(lines).expect("Prometheus text");
+    parsed
+        .samples
+        .into_iter()
+        .filter_map(|s| {
+            let v = match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => return None,
+            };
+            let mut labels: Vec<String> = s
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect();
+            labels.sort();
+            Some((format!("{}{{{}}}", s.metric, labels.join(",")), v))
+        })
+        .collect()
+}
+
+fn value(m: &HashMap<String, f64>, key: &str) -> f64 {
+    *m.get(key)
+        .unwrap_or_else(|| panic!("no {key} in the scrape: {:?}", m.keys().collect::<Vec<_>>()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_with_mail_turns_sends_and_refusals() {
+    let scene = Scene::new("operate-metrics", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "om-lobby").await;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    // Turns only on request, so the pending mail can be seen before it is answered.
+    let session = session
+        .replace("debounce_ms = 200", "debounce_ms = 600000")
+        .replace("max_wait_ms = 1000", "max_wait_ms = 600000");
+    let heart = SigningKey::from_bytes(&[21; 32]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#om-lobby:localhost"],
+        &[],
+        &format!(
+            "{session}\n[[cultnet.client]]\nagent_id = \"heartbeat\"\npublic_key = \"{}\"\npersonas = [\"*\"]\nverbs = [\"turn\"]\n",
+            public_hex(&heart)
+        ),
+    );
+    // [metrics] goes before the first [[persona]] table.
+    let text = std::fs::read_to_string(&config).unwrap().replacen(
+        "[[persona]]",
+        &format!("[metrics]\nbind = \"{port}\"\n\n[[persona]]"),
+        1,
+    );
+    std::fs::write(&config, text).unwrap();
+
+    // /readyz answers 503 until she has synced, then 200.
+    let watcher = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut seen = Vec::new();
+        while Instant::now() < deadline {
+            if let Some((code, _)) = get(port, "/readyz") {
+                if seen.last() != Some(&code) {
+                    seen.push(code);
+                }
+                if code == 200 {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        seen
+    });
+    let gw = GatewayProcess::start(&config);
+    assert_eq!(gw.metrics_addr(), port);
+    let seen = watcher.join().unwrap();
+    assert_eq!(
+        seen,
+        [503, 200],
+        "/readyz answers over the start; log:\n{}",
+        gw.log()
+    );
+    assert_eq!(get(port, "/healthz").map(|(c, _)| c), Some(200));
+    assert_eq!(get(port, "/nothing").map(|(c, _)| c), Some(404));
+
+    let m = scrape(port, &gw);
+    assert_eq!(value(&m, "cultnet_gateway_pending{persona=\"vera\"}"), 0.0);
+    assert!(value(&m, "cultnet_gateway_syncs_total{persona=\"vera\"}") >= 1.0);
+
+    // Mail waits: pending goes up.
+    lobby
+        .send(RoomMessageEventContent::text_plain("anyone there?"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while value(
+        &scrape(port, &gw),
+        "cultnet_gateway_pending{persona=\"vera\"}",
+    ) < 1.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "pending never rose; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A stranger is refused; the heartbeat asks for her turn; she answers.
+    let stranger = SigningKey::from_bytes(&[22; 32]);
+    assert!(Client::connect(
+        gw.cultnet_addr(),
+        "stranger",
+        &stranger,
+        Duration::from_secs(3)
+    )
+    .await
+    .is_err());
+    let mut c = Client::connect(
+        gw.cultnet_addr(),
+        "heartbeat",
+        &heart,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    let room = lobby.room_id().to_string();
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "here"}]}));
+    let r: TurnReceipt = c
+        .request(
+            ids::TURN_REQUEST,
+            "t1",
+            &TurnRequest {
+                persona: "vera".into(),
+                reason: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+    wait_for_reply(ann, &lobby, "here", Duration::from_secs(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let m = loop {
+        let m = scrape(port, &gw);
+        if m.get("cultnet_gateway_turns_total{outcome=\"sent\",persona=\"vera\"}") == Some(&1.0) {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no turn counted: {m:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Pending back down; the send, the tokens, the cost and the refused Connect counted.
+    assert_eq!(value(&m, "cultnet_gateway_pending{persona=\"vera\"}"), 0.0);
+    assert_eq!(
+        value(
+            &m,
+            "cultnet_gateway_sends_total{outcome=\"ok\",persona=\"vera\"}"
+        ),
+        1.0
+    );
+    assert!(
+        value(
+            &m,
+            "cultnet_gateway_tokens_total{kind=\"cache_write\",persona=\"vera\"}"
+        ) > 0.0
+    );
+    assert!(value(&m, "cultnet_gateway_cost_usd_total{persona=\"vera\"}") > 0.0);
+    assert!(
+        value(
+            &m,
+            "cultnet_gateway_refresh_decisions_total{outcome=\"continue\",persona=\"vera\"}"
+        ) >= 1.0
+    );
+    assert_eq!(
+        value(
+            &m,
+            "cultnet_gateway_connects_refused_total{reason=\"unknown_agent\"}"
+        ),
+        1.0
+    );
+    assert_eq!(value(&m, "cultnet_gateway_connects_accepted_total{}"), 1.0);
+    assert_eq!(value(&m, "cultnet_gateway_cultnet_peers{}"), 1.0);
+    assert!(value(&m, "cultnet_gateway_datagrams_in_total{}") > 0.0);
+    assert!(
+        value(
+            &m,
+            "cultnet_gateway_turn_duration_seconds_count{persona=\"vera\"}"
+        ) >= 1.0
+    );
+    assert!(value(&m, "cultnet_gateway_sync_lag_seconds{persona=\"vera\"}") < 60.0);
+    c.close().await;
+    assert!(gw.stop().success());
+}
