@@ -220,6 +220,34 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
         ) >= 1.0
     );
     assert!(value(&m, "cultnet_gateway_sync_lag_seconds{persona=\"vera\"}") < 60.0);
+    // The Grafana dashboard asks only for what the gateway exports.
+    let dashboard = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/grafana-dashboard.json"
+    ))
+    .unwrap();
+    let (_, body) = get(port, "/metrics").unwrap();
+    let exported: std::collections::HashSet<&str> = body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let mut asked = 0;
+    for (i, _) in dashboard.match_indices("cultnet_gateway_") {
+        let name: String = dashboard[i..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if name == "cultnet_gateway_" {
+            continue;
+        }
+        asked += 1;
+        assert!(
+            exported.contains(name.as_str()),
+            "the dashboard asks for {name}, which is not exported"
+        );
+    }
+    assert!(asked >= 20, "{asked}");
     c.close().await;
     assert!(gw.stop().success());
 }
