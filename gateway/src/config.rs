@@ -132,6 +132,9 @@ pub struct SessionConfig {
     pub max_wait_ms: u64,
     /// A turn running longer is interrupted, then killed.
     pub turn_timeout_secs: u64,
+    /// On SIGTERM a turn in flight may finish for this long; then it is given up (its batch
+    /// stays in flight and is retried after the restart, its says still sent once).
+    pub shutdown_grace_secs: u64,
     /// Deliveries per batch at most.
     pub max_batch: usize,
     /// The model's context window in tokens: the refresh policy compacts or starts fresh well
@@ -163,6 +166,7 @@ impl Default for SessionConfig {
             debounce_ms: 2_000,
             max_wait_ms: 15_000,
             turn_timeout_secs: 300,
+            shutdown_grace_secs: 5,
             max_batch: 20,
             context_window: 200_000,
             state_file: None,

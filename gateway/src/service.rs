@@ -299,6 +299,11 @@ impl Service {
         Ok(p.agent_id)
     }
 
+    /// The authenticated peers.
+    pub fn peer_addrs(&self) -> Vec<SocketAddr> {
+        self.peers.keys().copied().collect()
+    }
+
     /// Forgets a peer whose session ended.
     pub fn forget(&mut self, peer: SocketAddr) {
         self.greeted.remove(&peer);
@@ -960,6 +965,12 @@ pub async fn serve_with(
             }
             HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
         }
+    }
+    // Clients learn why their session ends (RUDP; QUIC connections close with the endpoint).
+    for peer in service.peer_addrs() {
+        let _ = endpoint
+            .disconnect(peer, "the gateway is shutting down")
+            .await;
     }
     let _ = endpoint.shutdown().await;
 }

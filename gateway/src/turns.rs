@@ -288,11 +288,25 @@ impl TurnLoop {
     /// Runs until `stop` turns true; the CLI is shut down on the way out.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+        let grace = Duration::from_secs(self.persona.session.shutdown_grace_secs);
+        let stopping = stop.clone();
         loop {
-            let drained = tokio::select! {
-                r = self.drain() => r,
-                _ = stop.changed() => break,
+            let drained = {
+                let drain = self.drain(&stopping);
+                tokio::pin!(drain);
+                tokio::select! {
+                    r = &mut drain => Some(r),
+                    _ = stop.changed() => {
+                        // Stop taking turns; a turn in flight may end within the grace.
+                        match tokio::time::timeout(grace, &mut drain).await {
+                            Ok(r) => tracing::info!(result = ?r.err().map(|e| e.to_string()), "turn in flight ended at shutdown"),
+                            Err(_) => tracing::warn!(?grace, "turn in flight given up at shutdown; its batch is retried after the restart"),
+                        }
+                        None
+                    }
+                }
             };
+            let Some(drained) = drained else { break };
             match drained {
                 Ok(()) => {
                     backoff.reset();
@@ -459,8 +473,11 @@ impl TurnLoop {
 
     /// Runs turns until nothing is pending (mail, or a note that asked for a turn). Operators'
     /// verbs waiting are applied before each turn, never during one.
-    pub async fn drain(&mut self) -> Result<(), TurnError> {
+    pub async fn drain(&mut self, stop: &watch::Receiver<bool>) -> Result<(), TurnError> {
         loop {
+            if *stop.borrow() {
+                return Ok(());
+            }
             while let Ok(c) = self.control_rx.try_recv() {
                 self.apply_control(c).await;
             }

@@ -251,3 +251,81 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
     c.close().await;
     assert!(gw.stop().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_turn_end_in_its_grace_or_retries_it_after_the_restart() {
+    use tests::live::from_vera;
+    use tests::mock_api::Fault;
+    let scene = Scene::new("operate-sigterm", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "os-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "shutdown_grace_secs = 5\n");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#os-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let in_flight = |from: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mock.ledger().len() == from {
+            assert!(Instant::now() < deadline, "the turn never reached the API");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+
+    // A turn that ends within the grace is answered before the gateway exits.
+    let gw = GatewayProcess::start(&config);
+    mock.inject(Fault::Delay(Duration::from_secs(3)));
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "in time"}]}));
+    let from = mock.ledger().len();
+    lobby
+        .send(RoomMessageEventContent::text_plain("first"))
+        .await
+        .unwrap();
+    in_flight(from);
+    let t0 = Instant::now();
+    let log = gw.log();
+    let code = gw.stop();
+    let took = t0.elapsed();
+    assert!(code.success(), "{code:?}; log:\n{log}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(from_vera(ann, &lobby).await, ["in time"]);
+
+    // A turn longer than the grace is given up; after the restart it is answered, once.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("shutdown_grace_secs = 5", "shutdown_grace_secs = 1"),
+    )
+    .unwrap();
+    let gw = GatewayProcess::start(&config);
+    mock.inject(Fault::Delay(Duration::from_secs(30)));
+    // The abandoned request takes the first script; the retry the second.
+    for _ in 0..2 {
+        mock.script(serde_json::json!({"say": [{"room": room, "text": "after restart"}]}));
+    }
+    let from = mock.ledger().len();
+    lobby
+        .send(RoomMessageEventContent::text_plain("second"))
+        .await
+        .unwrap();
+    in_flight(from);
+    let t0 = Instant::now();
+    let log_before = gw.log();
+    let code = gw.stop();
+    let took = t0.elapsed();
+    assert!(code.success(), "{code:?}; log:\n{log_before}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(from_vera(ann, &lobby).await, ["in time"]);
+    let gw = GatewayProcess::start(&config);
+    wait_for_reply(ann, &lobby, "after restart", Duration::from_secs(90)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(from_vera(ann, &lobby).await, ["in time", "after restart"]);
+    assert!(gw.stop().success());
+}

@@ -136,7 +136,14 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     }
     tracing::info!("stopping");
     let _ = stop_tx.send(true);
-    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+    // A turn in flight may take its grace, then each CLI its 5 s to exit.
+    let grace = cfg
+        .personas
+        .iter()
+        .map(|p| p.session.shutdown_grace_secs)
+        .max()
+        .unwrap_or(0);
+    let _ = tokio::time::timeout(Duration::from_secs(grace + 7), async {
         while tasks.join_next().await.is_some() {}
     })
     .await;
