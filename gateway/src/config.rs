@@ -135,6 +135,8 @@ pub struct SessionConfig {
     /// On SIGTERM a turn in flight may finish for this long; then it is given up (its batch
     /// stays in flight and is retried after the restart, its says still sent once).
     pub shutdown_grace_secs: u64,
+    /// Turns kept in her history (`STATE/personas/ID/turns.jsonl`, read by `report`).
+    pub history_turns: usize,
     /// Deliveries per batch at most.
     pub max_batch: usize,
     /// The model's context window in tokens: the refresh policy compacts or starts fresh well
@@ -167,6 +169,7 @@ impl Default for SessionConfig {
             max_wait_ms: 15_000,
             turn_timeout_secs: 300,
             shutdown_grace_secs: 5,
+            history_turns: 10_000,
             max_batch: 20,
             context_window: 200_000,
             state_file: None,

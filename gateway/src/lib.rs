@@ -25,5 +25,6 @@ pub mod matrix;
 pub mod metrics;
 pub mod mouth;
 pub mod quic;
+pub mod report;
 pub mod service;
 pub mod turns;

@@ -146,6 +146,16 @@ pub struct TurnRecord {
     pub cost_usd: f64,
     /// What became of the reply.
     pub outcome: String,
+    /// When it ended (ms since the epoch).
+    pub at_ms: i64,
+    /// Its prompt in tokens (uncached + cache reads + cache writes).
+    pub prefix_tokens: u64,
+    /// Where the policy acts (tokens).
+    pub watermark_tokens: u64,
+    /// The model's context window (tokens).
+    pub window_tokens: u64,
+    /// What starting fresh would cost now (the ski-rental rule's rebuild), dollars.
+    pub rebuild_usd: f64,
 }
 
 #[derive(Debug, Default, Serialize, serde::Deserialize)]
@@ -187,6 +197,8 @@ pub struct TurnLoop {
     seen: Seen,
     /// The correction after a bad reply, for the next batch.
     note: Option<String>,
+    /// Lines in her history file (counted on first use).
+    history_lines: Option<usize>,
     /// What was restarted, when her next batch must say so (the gateway, her process).
     restarted: Option<&'static str>,
     prompt_hash: String,
@@ -280,6 +292,7 @@ impl TurnLoop {
             cli: None,
             seen: Seen::default(),
             note: None,
+            history_lines: None,
             restarted,
             status,
         })
@@ -1001,6 +1014,14 @@ impl TurnLoop {
             decision: format!("{decision:?}"),
             cost_usd: usage.cost(&self.prices),
             outcome,
+            at_ms: crate::ear::unix_ms(),
+            prefix_tokens: usage.input
+                + usage.cache_read
+                + usage.cache_write_5m
+                + usage.cache_write_1h,
+            watermark_tokens: self.policy.watermark_tokens(),
+            window_tokens: self.policy.context_window,
+            rebuild_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
         };
         let m = crate::metrics::global();
         m.turn(
@@ -1074,6 +1095,14 @@ impl TurnLoop {
     }
 
     fn write_status(&mut self, record: TurnRecord) {
+        if let Err(e) = append_history(
+            &self.status_path.with_file_name(HISTORY_FILE),
+            &record,
+            self.persona.session.history_turns,
+            &mut self.history_lines,
+        ) {
+            tracing::warn!(error = %e, "turn history not written");
+        }
         self.status.turns_total += 1;
         self.status.turns.push_back(record);
         while self.status.turns.len() > TELEMETRY_KEPT {
@@ -1091,6 +1120,58 @@ impl TurnLoop {
             tracing::warn!(error = %e, path = %self.status_path.display(), "status file not written");
         }
     }
+}
+
+/// Her full turn history, one [`TurnRecord`] per line, next to her status file (JSON lines:
+/// readable by `cultnet-gateway report` and by `jq` while the gateway runs, unlike sled, which
+/// one process holds locked).
+pub const HISTORY_FILE: &str = "turns.jsonl";
+
+/// Appends `record` to the history at `path`; past `keep` records (by a quarter), the oldest
+/// are dropped (the file is rewritten and renamed into place). `lines` is the file's line count
+/// (counted when `None`), kept by the caller so a turn does not read the whole file.
+pub fn append_history(
+    path: &std::path::Path,
+    record: &TurnRecord,
+    keep: usize,
+    lines: &mut Option<usize>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let line = serde_json::to_string(record).map_err(std::io::Error::other)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    writeln!(f, "{line}")?;
+    drop(f);
+    let keep = keep.max(1);
+    let n = match lines {
+        Some(n) => *n + 1,
+        None => std::fs::read_to_string(path)?.lines().count(),
+    };
+    *lines = Some(n);
+    if n > keep + keep / 4 {
+        let text = std::fs::read_to_string(path)?;
+        let n = text.lines().count();
+        let kept: String = text
+            .lines()
+            .skip(n - keep)
+            .flat_map(|l| [l, "\n"])
+            .collect();
+        let tmp = path.with_extension("jsonl.tmp");
+        std::fs::write(&tmp, kept)?;
+        std::fs::rename(&tmp, path)?;
+        *lines = Some(keep.min(n));
+    }
+    Ok(())
+}
+
+/// Reads a turn history (lines that do not parse are skipped).
+pub fn read_history(path: &std::path::Path) -> std::io::Result<Vec<TurnRecord>> {
+    Ok(std::fs::read_to_string(path)?
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
 /// The name of a refresh decision, without its reason (a metrics label).

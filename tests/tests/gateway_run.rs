@@ -135,14 +135,42 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     assert_eq!(status2["session_id"], status["session_id"]);
     assert_eq!(status2["turns_total"], 3, "{status2}");
     // `cultnet-gateway status` shows the same.
-    let shown = std::process::Command::new(tests::matrix::gateway_bin())
-        .args(["status", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(tests::matrix::gateway_bin())
+            .args(args)
+            .arg("--config")
+            .arg(&config)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let shown: serde_json::Value = serde_json::from_str(&run(&["status", "--json"])).unwrap();
     assert_eq!(shown["vera"]["session_id"], status["session_id"]);
     assert_eq!(shown["vera"]["turns"].as_array().map(Vec::len), Some(3));
+    // The table for people: her row with mode, session and turns.
+    let table = run(&["status"]);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("vera "))
+        .unwrap_or_default();
+    let sid = status["session_id"].as_str().unwrap_or_default();
+    assert!(
+        row.contains("live") && row.contains(sid) && row.contains(" 3 "),
+        "{table}"
+    );
+    // The report of her three turns.
+    let svg = dir.join("report.svg");
+    let said = run(&["report", "--out", svg.to_str().unwrap()]);
+    assert!(said.contains("vera: 3 turns"), "{said}");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("vera: 3 turns") && svg.contains("live session")
+    );
     assert_eq!(gw.stop().code(), Some(0));
 }
 

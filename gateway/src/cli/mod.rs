@@ -39,12 +39,30 @@ enum Command {
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
     },
-    /// Print each Persona's session status (the status files the running gateway writes):
-    /// session id and generation, and the last turns with usage, cost and decisions.
+    /// Print each Persona's session status (the status files the running gateway writes): a
+    /// table for people, or with `--json` the whole status (session id and generation, the
+    /// last turns with usage, cost and decisions) for scripts.
     Status {
         /// The configuration file.
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
+        /// JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draw a Persona's live session over time (SVG): her prompt against the watermark and the
+    /// window with each refresh decision and its reason, the cache hit share, the cost per turn,
+    /// and the cumulative cost against rebuilding every turn. From her turn history.
+    Report {
+        /// The configuration file.
+        #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
+        config: PathBuf,
+        /// The Persona (the only live one when absent).
+        #[arg(long)]
+        persona: Option<String>,
+        /// Where to write the SVG.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Check a config before starting: one line per check (config, state directory, each
     /// Persona's token, homeserver, rooms, store, claude CLI and credential, QUIC and client
@@ -141,7 +159,12 @@ impl From<anyhow::Error> for Failure {
 pub(crate) fn run(args: Args) -> Result<(), Failure> {
     match args.command {
         Command::Run { config } => run::run(&config),
-        Command::Status { config } => status(&config),
+        Command::Status { config, json } => status(&config, json),
+        Command::Report {
+            config,
+            persona,
+            out,
+        } => report(&config, persona.as_deref(), &out),
         Command::Check { config } => check(&config),
         Command::Keygen { out, agent } => client::keygen(&out, &agent),
         Command::Client {
@@ -185,7 +208,47 @@ fn check(config: &std::path::Path) -> Result<(), Failure> {
     Ok(())
 }
 
-fn status(config: &std::path::Path) -> Result<(), Failure> {
+fn report(
+    config: &std::path::Path,
+    persona: Option<&str>,
+    out: &std::path::Path,
+) -> Result<(), Failure> {
+    use anyhow::Context as _;
+    let cfg = gateway::config::Config::load(config).map_err(|e| Failure::input(e.into()))?;
+    let live: Vec<&gateway::config::Persona> = cfg
+        .personas
+        .iter()
+        .filter(|p| p.session.mode == gateway::config::SessionMode::Live)
+        .collect();
+    let p = match persona {
+        Some(id) => cfg.personas.iter().find(|p| p.id == id).ok_or_else(|| {
+            Failure::input(anyhow::anyhow!("no Persona {id:?} in {}", config.display()))
+        })?,
+        None => match live[..] {
+            [one] => one,
+            _ => {
+                return Err(Failure::input(anyhow::anyhow!(
+                    "{} live Personas: name one with --persona",
+                    live.len()
+                )))
+            }
+        },
+    };
+    let path = cfg
+        .state_dir
+        .join("personas")
+        .join(&p.id)
+        .join(gateway::turns::HISTORY_FILE);
+    let turns = gateway::turns::read_history(&path)
+        .with_context(|| format!("reading her turn history {}", path.display()))?;
+    let svg =
+        gateway::report::svg(&p.id, &turns).with_context(|| format!("the report of {}", p.id))?;
+    std::fs::write(out, svg).with_context(|| format!("writing {}", out.display()))?;
+    println!("{}: {} turns -> {}", p.id, turns.len(), out.display());
+    Ok(())
+}
+
+fn status(config: &std::path::Path, json: bool) -> Result<(), Failure> {
     let cfg = gateway::config::Config::load(config).map_err(|e| Failure::input(e.into()))?;
     let mut out = serde_json::Map::new();
     for p in &cfg.personas {
@@ -204,6 +267,49 @@ fn status(config: &std::path::Path) -> Result<(), Failure> {
         };
         out.insert(p.id.clone(), value);
     }
-    println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(());
+    }
+    println!(
+        "{:<12} {:<5} {:<38} {:>4} {:>7} {:>9} {:>7} {:>10}  last error",
+        "persona", "mode", "session", "gen", "turns", "prefix", "hit", "cost"
+    );
+    for p in &cfg.personas {
+        let v = &out[&p.id];
+        let turns: Vec<&serde_json::Value> = v["turns"]
+            .as_array()
+            .map(|a| a.iter().collect())
+            .unwrap_or_default();
+        let last = turns.last();
+        let cost: f64 = turns.iter().filter_map(|t| t["cost_usd"].as_f64()).sum();
+        let prefix = last
+            .map(|t| {
+                ["input_tokens", "cache_read_tokens", "cache_write_tokens"]
+                    .iter()
+                    .filter_map(|k| t[*k].as_u64())
+                    .sum::<u64>()
+            })
+            .unwrap_or(0);
+        println!(
+            "{:<12} {:<5} {:<38} {:>4} {:>7} {:>9} {:>6.1}% {:>10}  {}",
+            p.id,
+            format!("{:?}", p.session.mode).to_lowercase(),
+            v["session_id"].as_str().unwrap_or("-"),
+            v["generation"].as_u64().unwrap_or(0),
+            v["turns_total"].as_u64().unwrap_or(0),
+            prefix,
+            last.and_then(|t| t["hit_ratio"].as_f64()).unwrap_or(0.0) * 100.0,
+            format!("${cost:.4}"),
+            v["last_error"]
+                .as_str()
+                .or(v["error"].as_str())
+                .unwrap_or("-"),
+        );
+    }
+    println!(
+        "(cost: the last {} turns; --json for everything)",
+        gateway::turns::TELEMETRY_KEPT
+    );
     Ok(())
 }

@@ -1,0 +1,338 @@
+//! `cultnet-gateway report`: a picture (SVG, plotters) of a Persona's live session over time,
+//! from her turn history (`STATE/personas/ID/turns.jsonl`):
+//! 1. her prompt (prefix) against the policy's watermark and the model's window, with a marker
+//!    and its reason for every refresh decision other than going on;
+//! 2. the share of each prompt read from cache;
+//! 3. the cost of each turn;
+//! 4. the cumulative cost against what rebuilding the prompt every turn would have cost.
+
+use plotters::prelude::*;
+
+use crate::turns::TurnRecord;
+
+/// Why a report could not be drawn.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// No turns to draw.
+    #[error("no turns in the history")]
+    Empty,
+    /// The drawing failed.
+    #[error("drawing the report: {0}")]
+    Draw(String),
+}
+
+fn draw_err<E: std::fmt::Display>(e: E) -> ReportError {
+    ReportError::Draw(e.to_string())
+}
+
+/// Picture width and height.
+pub const SIZE: (u32, u32) = (1200, 1400);
+
+/// The report of `persona`'s `turns` as SVG text.
+pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
+    let first = turns.first().ok_or(ReportError::Empty)?;
+    let t0 = first.at_ms;
+    // Hours since her first turn in the history.
+    let hours = |r: &TurnRecord| (r.at_ms - t0) as f64 / 3_600_000.0;
+    let x_max = turns.iter().map(hours).fold(0.0_f64, f64::max).max(1e-3) * 1.02;
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(draw_err)?;
+        let (title, body) = root.split_vertically(50);
+        title
+            .titled(
+                &format!(
+                    "{persona}: {} turns over {:.1} h, cost ${:.4}",
+                    turns.len(),
+                    x_max / 1.02,
+                    turns.iter().map(|r| r.cost_usd).sum::<f64>()
+                ),
+                ("sans-serif", 26),
+            )
+            .map_err(draw_err)?;
+        let panels = body.split_evenly((4, 1));
+
+        // 1. Prefix, watermark, window, decisions.
+        let y_max = turns
+            .iter()
+            .map(|r| r.window_tokens.max(r.prefix_tokens))
+            .max()
+            .unwrap_or(1) as f64
+            * 1.05;
+        let mut c = ChartBuilder::on(&panels[0])
+            .caption("prompt tokens", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(draw_err)?;
+        c.configure_mesh()
+            .x_desc("hours")
+            .y_label_formatter(&|v| format!("{:.0}k", v / 1000.0))
+            .draw()
+            .map_err(draw_err)?;
+        let series = |f: fn(&TurnRecord) -> f64| -> Vec<(f64, f64)> {
+            turns.iter().map(|r| (hours(r), f(r))).collect()
+        };
+        c.draw_series(LineSeries::new(
+            series(|r| r.prefix_tokens as f64),
+            BLUE.stroke_width(2),
+        ))
+        .map_err(draw_err)?
+        .label("prefix")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        c.draw_series(LineSeries::new(
+            series(|r| r.watermark_tokens as f64),
+            RGBColor(230, 140, 0).stroke_width(2),
+        ))
+        .map_err(draw_err)?
+        .label("watermark")
+        .legend(|(x, y)| {
+            PathElement::new(
+                vec![(x, y), (x + 20, y)],
+                RGBColor(230, 140, 0).stroke_width(2),
+            )
+        });
+        c.draw_series(LineSeries::new(
+            series(|r| r.window_tokens as f64),
+            RED.stroke_width(2),
+        ))
+        .map_err(draw_err)?
+        .label("window")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+        let decisions: Vec<&TurnRecord> = turns
+            .iter()
+            .filter(|r| !r.decision.is_empty() && r.decision != "Continue")
+            .collect();
+        c.draw_series(decisions.iter().map(|r| {
+            let color = if r.decision.starts_with("Compact") {
+                RGBColor(0, 150, 0)
+            } else {
+                MAGENTA
+            };
+            EmptyElement::at((hours(r), r.prefix_tokens as f64))
+                + TriangleMarker::new((0, 0), 8, color.filled())
+                + Text::new(
+                    r.decision.clone(),
+                    (6, -18),
+                    ("sans-serif", 13).into_font().color(&color),
+                )
+        }))
+        .map_err(draw_err)?
+        .label("refresh decision (and its reason)")
+        .legend(|(x, y)| TriangleMarker::new((x + 10, y), 6, MAGENTA.filled()));
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(draw_err)?;
+
+        // 2. Cache hit share.
+        let mut c = ChartBuilder::on(&panels[1])
+            .caption("share of the prompt read from cache", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max, 0.0..1.05)
+            .map_err(draw_err)?;
+        c.configure_mesh()
+            .x_desc("hours")
+            .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
+            .draw()
+            .map_err(draw_err)?;
+        c.draw_series(LineSeries::new(
+            series(|r| r.hit_ratio),
+            BLUE.stroke_width(2),
+        ))
+        .map_err(draw_err)?
+        .label("cache hit ratio")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        c.draw_series(
+            turns
+                .iter()
+                .map(|r| Circle::new((hours(r), r.hit_ratio), 2, BLUE.filled())),
+        )
+        .map_err(draw_err)?;
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(draw_err)?;
+
+        // 3. Cost per turn.
+        let cost_max = turns
+            .iter()
+            .map(|r| r.cost_usd)
+            .fold(0.0_f64, f64::max)
+            .max(1e-6)
+            * 1.1;
+        let mut c = ChartBuilder::on(&panels[2])
+            .caption("cost per turn", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max, 0.0..cost_max)
+            .map_err(draw_err)?;
+        c.configure_mesh()
+            .x_desc("hours")
+            .y_label_formatter(&|v| format!("${v:.3}"))
+            .draw()
+            .map_err(draw_err)?;
+        c.draw_series(
+            turns
+                .iter()
+                .map(|r| Circle::new((hours(r), r.cost_usd), 3, BLUE.filled())),
+        )
+        .map_err(draw_err)?
+        .label("cost of the turn")
+        .legend(|(x, y)| Circle::new((x + 10, y), 3, BLUE.filled()));
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(draw_err)?;
+
+        // 4. Cumulative cost against rebuilding every turn.
+        let mut cum = Vec::with_capacity(turns.len());
+        let mut rebuild = Vec::with_capacity(turns.len());
+        let (mut a, mut b) = (0.0, 0.0);
+        for r in turns {
+            a += r.cost_usd;
+            b += r.rebuild_usd;
+            cum.push((hours(r), a));
+            rebuild.push((hours(r), b));
+        }
+        let y_max = a.max(b).max(1e-6) * 1.05;
+        let mut c = ChartBuilder::on(&panels[3])
+            .caption("cumulative cost", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(draw_err)?;
+        c.configure_mesh()
+            .x_desc("hours")
+            .y_label_formatter(&|v| format!("${v:.2}"))
+            .draw()
+            .map_err(draw_err)?;
+        c.draw_series(LineSeries::new(cum, BLUE.stroke_width(2)))
+            .map_err(draw_err)?
+            .label("live session")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+        c.draw_series(LineSeries::new(rebuild, RED.stroke_width(2)))
+            .map_err(draw_err)?
+            .label("rebuilding the prompt every turn (estimate)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+        c.configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(draw_err)?;
+        root.present().map_err(draw_err)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 200-turn run as the turn loop records it: a prefix growing to the watermark, compacted
+    /// twice and started fresh once, cache hits high except after each refresh.
+    pub(crate) fn run(n: usize) -> Vec<TurnRecord> {
+        let mut prefix = 24_000u64;
+        (0..n)
+            .map(|i| {
+                let decision = match i {
+                    70 | 150 => "Compact(ContextFull)",
+                    110 => "FreshStart(SkiRental)",
+                    _ => "Continue",
+                };
+                let fresh = decision != "Continue";
+                prefix = match decision {
+                    "Continue" => prefix + 1_100 + (i as u64 * 37) % 400,
+                    d if d.starts_with("Compact") => 30_000,
+                    _ => 24_500,
+                };
+                let hit = if fresh || i == 0 { 0.2 } else { 0.96 };
+                let cost = prefix as f64 * 3e-6 * (hit * 0.1 + (1.0 - hit) * 2.0);
+                TurnRecord {
+                    at_ms: 1_800_000_000_000 + i as i64 * 600_000,
+                    prefix_tokens: prefix,
+                    watermark_tokens: 132_750,
+                    window_tokens: 200_000,
+                    hit_ratio: hit,
+                    cost_usd: cost,
+                    rebuild_usd: prefix as f64 * 3e-6 * 2.0,
+                    decision: decision.to_owned(),
+                    ..TurnRecord::default()
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_200_turn_run_is_valid_svg_with_every_series_and_decision() {
+        let svg = svg("mira", &run(200)).unwrap();
+        let doc = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+        assert_eq!(doc.root_element().tag_name().name(), "svg");
+        let texts: Vec<&str> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .filter_map(|n| n.text())
+            .map(str::trim)
+            .collect();
+        for want in [
+            "prefix",
+            "watermark",
+            "window",
+            "refresh decision (and its reason)",
+            "cache hit ratio",
+            "cost of the turn",
+            "live session",
+            "rebuilding the prompt every turn (estimate)",
+        ] {
+            assert!(texts.contains(&want), "{want:?} missing: {texts:?}");
+        }
+        // A marker and its reason for each decision other than going on.
+        assert_eq!(
+            texts
+                .iter()
+                .filter(|t| **t == "Compact(ContextFull)")
+                .count(),
+            2
+        );
+        assert_eq!(
+            texts
+                .iter()
+                .filter(|t| **t == "FreshStart(SkiRental)")
+                .count(),
+            1
+        );
+        assert!(
+            texts
+                .iter()
+                .any(|t| t.starts_with("mira: 200 turns over 33.2 h")),
+            "{texts:?}"
+        );
+        // One line per series: three in the first panel, one in the second, two in the last.
+        let lines = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("polyline"))
+            .count();
+        assert!(lines >= 6, "{lines} polylines");
+        if let Ok(path) = std::env::var("REPORT_SVG") {
+            std::fs::write(path, &svg).unwrap();
+        }
+        assert!(matches!(svg_err(), ReportError::Empty));
+    }
+
+    fn svg_err() -> ReportError {
+        svg("mira", &[]).unwrap_err()
+    }
+}
