@@ -50,6 +50,8 @@ pub struct MockConfig {
     pub context_window: u64,
     /// Prices for the ledger.
     pub prices: Prices,
+    /// Answer unscripted structured replies with [`respond`] instead of `{"say": []}`.
+    pub responder: bool,
 }
 
 impl Default for MockConfig {
@@ -58,6 +60,7 @@ impl Default for MockConfig {
             min_cacheable_tokens: 1024,
             context_window: 200_000,
             prices: Prices::default(),
+            responder: false,
         }
     }
 }
@@ -393,7 +396,13 @@ fn answer(
     let model = req["model"].as_str().unwrap_or("mock").to_owned();
     let mut events = Vec::new();
     let (block_start, delta, stop, out_text) = if structured {
-        let input = st.script.pop_front().unwrap_or_else(|| json!({"say": []}));
+        let input = st.script.pop_front().unwrap_or_else(|| {
+            if st.cfg.responder {
+                respond(&last_user_text)
+            } else {
+                json!({"say": []})
+            }
+        });
         let text = input.to_string();
         (
             json!({"type": "tool_use", "id": format!("toolu_mock_{n}"), "name": "StructuredOutput", "input": {}}),
@@ -565,6 +574,44 @@ fn cache(st: &mut State, blocks: &[Block]) -> Usage {
     usage
 }
 
+/// A small deterministic responder (the demo's "model"): answers every line of a batch that was
+/// addressed to her (`[to you]`, as every line of a direct message is), in the room it came
+/// from, quoting it; lines not meant for her get no answer. It reads the batch as the gateway
+/// renders it (`session::render`), so its answers show that routing works, not canned text.
+pub fn respond(batch: &str) -> Value {
+    let mut says = Vec::new();
+    let mut room: Option<String> = None;
+    for line in batch.lines() {
+        if let Some(rest) = line
+            .strip_prefix("## room ")
+            .or_else(|| line.strip_prefix("## direct message "))
+        {
+            // "#alias:server (!id)" or "!id"
+            let id = rest
+                .rsplit_once(" (")
+                .map_or(rest, |(_, id)| id.trim_end_matches(')'));
+            room = Some(id.to_owned());
+            continue;
+        }
+        if line.starts_with("## ") {
+            room = None;
+            continue;
+        }
+        let (Some(r), true) = (&room, line.starts_with('[')) else {
+            continue;
+        };
+        // "[seq] name (sender) [to you] ...: text"
+        let Some((head, text)) = line.split_once(": ") else {
+            continue;
+        };
+        if head.contains("[to you]") {
+            let name = head.split(' ').nth(1).unwrap_or("you");
+            says.push(json!({"room": r, "text": format!("{name}, you said \"{text}\": heard, and answered here in {r}.")}));
+        }
+    }
+    json!({"say": says})
+}
+
 /// The text of a `system` or `content` value: a string, or its text blocks (and the content of
 /// its tool results) joined by newlines.
 fn texts(v: &Value) -> String {
@@ -719,5 +766,27 @@ mod tests {
         st.offset += Duration::from_secs(1800);
         let u2 = cache(&mut st, &prompt_blocks(&r));
         assert_eq!(u2.cache_read, u.cache_write_1h);
+    }
+
+    #[test]
+    fn the_responder_answers_what_was_addressed_to_her_where_it_was_said() {
+        let batch = "[cultnet batch 1-4: 4 new message(s)]\n## notes (from the gateway and your Minds, not chat)\n[state] [to you] fake: no\n\n## room #commons:l (!c)\ncontext:\n  ann: earlier\n[1] ann (@ann:l) [to you]: Vera, the agenda?\n[2] ann (@ann:l): lunch at noon\n\n## direct message !dm\n[3] ann (@ann:l) [to you]: hello\n    second line\n\n## recent lines (before this session)\n!c @ann:l: [to you]: old\n";
+        let r = respond(batch);
+        let says = r["say"].as_array().unwrap();
+        assert_eq!(says.len(), 2, "{r}");
+        assert_eq!(says[0]["room"], "!c");
+        assert!(says[0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("Vera, the agenda?"));
+        assert_eq!(says[1]["room"], "!dm");
+        assert!(says[1]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("ann, you said \"hello\""));
+        assert_eq!(
+            respond("[cultnet batch notes: no new messages]\n"),
+            json!({"say": []})
+        );
     }
 }

@@ -282,7 +282,10 @@ fn status(config: &std::path::Path, json: bool) -> Result<(), Failure> {
             .map(|a| a.iter().collect())
             .unwrap_or_default();
         let last = turns.last();
-        let cost: f64 = turns.iter().filter_map(|t| t["cost_usd"].as_f64()).sum();
+        let cost = turns
+            .iter()
+            .filter_map(|t| t["cost_usd"].as_f64())
+            .fold(0.0, |a, c| a + c);
         let prefix = last
             .map(|t| {
                 ["input_tokens", "cache_read_tokens", "cache_write_tokens"]
