@@ -907,12 +907,60 @@ pub async fn serve(
     serve_with(service, endpoint, events, None, stop).await;
 }
 
+/// A new set of clients and Personas for a running service (a reloaded config).
+#[derive(Debug)]
+pub struct Update {
+    /// The configured clients (their grants take effect at once; a peer whose agent is gone
+    /// is refused from its next request on).
+    pub clients: Vec<Client>,
+    /// Every Persona as she runs now.
+    pub ports: BTreeMap<String, Port>,
+    /// Told once the service holds the new set (and no longer the old Personas' handles).
+    pub applied: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Service {
+    /// Takes a reloaded config's clients and the Personas as they now run.
+    pub fn update(&mut self, mut u: Update) {
+        let fresh = Service::new(
+            "",
+            self.connection_id,
+            0,
+            self.inbox.clone(),
+            &u.clients,
+            BTreeMap::new(),
+        );
+        self.clients = fresh.clients;
+        self.ports = std::mem::take(&mut u.ports);
+        tracing::info!(
+            clients = self.clients.len(),
+            personas = self.ports.len(),
+            "CultNet service reloaded"
+        );
+        if let Some(done) = u.applied.take() {
+            let _ = done.send(());
+        }
+    }
+}
+
 /// [`serve`], plus the peers of the QUIC side when `remote` is given.
 pub async fn serve_with(
+    service: Service,
+    endpoint: EndpointHandle,
+    events: mpsc::Receiver<EndpointEvent>,
+    remote: Option<mpsc::Receiver<Remote>>,
+    stop: watch::Receiver<bool>,
+) {
+    serve_updating(service, endpoint, events, remote, None, stop).await;
+}
+
+/// [`serve_with`], taking [`Update`]s (a reloaded config) while it runs.
+pub async fn serve_updating(
     mut service: Service,
     endpoint: EndpointHandle,
     mut events: mpsc::Receiver<EndpointEvent>,
     mut remote: Option<mpsc::Receiver<Remote>>,
+    mut updates: Option<mpsc::Receiver<Update>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
@@ -924,8 +972,21 @@ pub async fn serve_with(
                 None => std::future::pending().await,
             }
         };
+        let update = async {
+            match updates.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
+        };
         let event = tokio::select! {
             e = events.recv() => e,
+            u = update => {
+                match u {
+                    Some(u) => service.update(u),
+                    None => updates = None,
+                }
+                continue;
+            }
             r = from_quic => {
                 match r {
                     Some(r) => remote_event(&mut service, &mut quic, &sends, r).await,

@@ -329,3 +329,179 @@ async fn sigterm_lets_a_turn_end_in_its_grace_or_retries_it_after_the_restart() 
     assert_eq!(from_vera(ann, &lobby).await, ["in time", "after restart"]);
     assert!(gw.stop().success());
 }
+
+/// The Personas the CultNet status names.
+async fn persona_ids(c: &mut Client, key: &str) -> Vec<String> {
+    let s: wire::docs::GatewayStatus = c
+        .request(
+            ids::STATUS_REQUEST,
+            key,
+            &wire::docs::StatusRequest { persona: None },
+        )
+        .await
+        .unwrap();
+    s.personas.into_iter().map(|p| p.persona).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_adds_removes_and_changes_personas_while_another_keeps_answering() {
+    use tests::matrix::{token_for, write_private};
+    use wire::docs::{PendingPage, PendingRequest};
+    let scene = Scene::new("operate-sighup", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    for who in ["mira", "otto"] {
+        scene.hs.register(who, &format!("{who}-pw"));
+    }
+    let lobby = public_room(ann, "oh-lobby").await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&dir, &mock, 200, "");
+    let mut tokens = HashMap::new();
+    tokens.insert("vera", scene.vera_token.clone());
+    for who in ["mira", "otto"] {
+        let device = format!("GW-{}", who.to_uppercase());
+        tokens.insert(
+            who,
+            token_for(&url, who, &format!("{who}-pw"), &device).await,
+        );
+    }
+    let persona = |id: &str, extra: &str| {
+        let file = dir.join(format!("{id}.token"));
+        write_private(&file, &tokens[id]);
+        format!(
+            "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{url}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{}\"\naccess_token_file = \"{}\"\nrooms = [\"#oh-lobby:localhost\"]\n{extra}",
+            id.to_uppercase(),
+            file.display()
+        )
+    };
+    let organ = SigningKey::from_bytes(&[31; 32]);
+    let config = dir.join("gateway.toml");
+    let write = |verbs: &str, personas: &[String]| {
+        std::fs::write(
+            &config,
+            format!(
+                "state_dir = \"{}\"\n[cultnet]\nbind = \"127.0.0.1:0\"\n[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{}\"\npersonas = [\"*\"]\nverbs = [{verbs}]\n{}",
+                dir.join("state").display(),
+                public_hex(&organ),
+                personas.concat()
+            ),
+        )
+        .unwrap();
+    };
+    let vera = persona("vera", &session);
+    write(
+        "\"pending\", \"status\"",
+        &[vera.clone(), persona("mira", "")],
+    );
+    let gw = GatewayProcess::start(&config);
+    let hup = |gw: &GatewayProcess| {
+        let done = |log: &str| {
+            log.matches("SIGHUP: config reloaded").count() + log.matches("is refused").count()
+        };
+        let before = done(&gw.log());
+        std::process::Command::new("kill")
+            .args(["-HUP", &gw.pid().to_string()])
+            .status()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while done(&gw.log()) == before {
+            assert!(Instant::now() < deadline, "no reload; log:\n{}", gw.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let ask = |n: &str| format!("Vera, question {n}?");
+    let answered = |n: &str| format!("ann, you said \"{}\"", ask(n));
+    let vera_answers = |n: String| {
+        let lobby = lobby.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let said = tests::live::said_by(ann, &lobby, "@vera:localhost").await;
+                if said.iter().any(|b| b.starts_with(&n)) {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "vera did not answer {n:?}: {said:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let vera_starts = |gw: &GatewayProcess| {
+        gw.log()
+            .lines()
+            .filter(|l| l.contains("persona started") && l.contains("id=vera"))
+            .count()
+    };
+
+    lobby
+        .send(RoomMessageEventContent::text_plain(ask("one")))
+        .await
+        .unwrap();
+    vera_answers(answered("one")).await;
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(persona_ids(&mut c, "s1").await, ["mira", "vera"]);
+
+    // Mira removed, Otto added; Vera untouched and still answering.
+    write(
+        "\"pending\", \"status\"",
+        &[vera.clone(), persona("otto", "")],
+    );
+    hup(&gw);
+    assert_eq!(persona_ids(&mut c, "s2").await, ["otto", "vera"]);
+    lobby
+        .send(RoomMessageEventContent::text_plain(ask("two")))
+        .await
+        .unwrap();
+    vera_answers(answered("two")).await;
+
+    // Otto changed (a smaller inbox) restarts; the organ loses its pending verb at once.
+    write(
+        "\"status\"",
+        &[
+            vera.clone(),
+            persona("otto", "[persona.limits]\nmax_pending = 500\n"),
+        ],
+    );
+    hup(&gw);
+    let log = gw.log();
+    assert!(
+        log.contains("stopping her (removed or changed)") && log.contains("persona=otto"),
+        "{log}"
+    );
+    let refused = c
+        .request::<_, PendingPage>(
+            ids::PENDING_REQUEST,
+            "p1",
+            &PendingRequest {
+                persona: "otto".into(),
+                ..PendingRequest::default()
+            },
+        )
+        .await;
+    assert!(
+        refused.is_err(),
+        "the organ kept its pending verb: {refused:?}"
+    );
+
+    // A broken config changes nothing.
+    std::fs::write(&config, "state_dir = [broken").unwrap();
+    hup(&gw);
+    assert!(gw.log().contains("is refused"), "{}", gw.log());
+    assert_eq!(persona_ids(&mut c, "s3").await, ["otto", "vera"]);
+    lobby
+        .send(RoomMessageEventContent::text_plain(ask("three")))
+        .await
+        .unwrap();
+    vera_answers(answered("three")).await;
+    assert_eq!(vera_starts(&gw), 1, "vera was restarted:\n{}", gw.log());
+    c.close().await;
+    assert!(gw.stop().success());
+}

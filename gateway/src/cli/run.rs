@@ -1,7 +1,9 @@
 //! `cultnet-gateway run`: the daemon. Every Persona gets her client, ear, mouth and (when her
 //! session is live) her turn loop; a Persona that cannot start is reported and the others
 //! keep running. The CultNet service answers local clients on the loopback endpoint. SIGINT or
-//! SIGTERM stops the tasks, and the inbox is already durable.
+//! SIGTERM stops the tasks (a turn in flight gets its grace), and the inbox is already durable.
+//! SIGHUP reloads the config: Personas added, removed or changed start, stop or restart, the
+//! clients' grants change at once, and an invalid config is refused with the old one kept.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,10 +32,73 @@ pub(super) fn run(config: &Path) -> Result<(), Failure> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    rt.block_on(serve(cfg)).map_err(Failure::from)
+    rt.block_on(serve(config, cfg)).map_err(Failure::from)
 }
 
-async fn serve(cfg: Config) -> anyhow::Result<()> {
+/// A running Persona: her config, her stop switch, her tasks, and what the service knows of her.
+struct Running {
+    persona: Persona,
+    stop: watch::Sender<bool>,
+    tasks: JoinSet<()>,
+    port: Port,
+}
+
+impl Running {
+    /// Starts `p` (a failure is reported in her port; the others go on).
+    async fn launch(cfg: &Config, p: &Persona, inbox: &Inbox) -> Self {
+        use tracing::Instrument as _;
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let span = tracing::info_span!("persona", id = %p.id);
+        let port = match start_persona(cfg, p, inbox, &stop_rx, &mut tasks)
+            .instrument(span.clone())
+            .await
+        {
+            Ok(port) => {
+                span.in_scope(|| tracing::info!(session = ?p.session.mode, "persona started"));
+                port
+            }
+            Err(e) => {
+                span.in_scope(|| {
+                    tracing::error!(
+                        "persona {} not started: {e:#}; the others keep running",
+                        p.id
+                    )
+                });
+                Port {
+                    failed: Some(format!("{e:#}")),
+                    ..Port::new(&p.user_id, p.limits.max_pending)
+                }
+            }
+        };
+        Self {
+            persona: p.clone(),
+            stop,
+            tasks,
+            port,
+        }
+    }
+
+    /// Stops her: a turn in flight may take its grace, then each CLI its 5 s to exit.
+    async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        let wait = Duration::from_secs(self.persona.session.shutdown_grace_secs + 7);
+        let _ = tokio::time::timeout(wait, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+    }
+}
+
+/// The service's view of everyone running.
+fn ports(running: &BTreeMap<String, Running>) -> BTreeMap<String, Port> {
+    running
+        .iter()
+        .map(|(id, r)| (id.clone(), r.port.clone()))
+        .collect()
+}
+
+async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
     let inbox_path = cfg.state_dir.join("inbox");
@@ -41,8 +106,6 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("opening the inbox {}", inbox_path.display()))?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
-    let mut started = 0;
-    let mut ports = BTreeMap::new();
     let (endpoint, events, _) =
         endpoint::spawn(EndpointConfig::new(cfg.cultnet.bind, client::rand_seed()))
             .await
@@ -64,32 +127,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("starting the metrics listener on {}", m.bind))?;
         tracing::info!(%addr, "metrics on /metrics, /healthz, /readyz");
     }
+    let mut running: BTreeMap<String, Running> = BTreeMap::new();
     for p in &cfg.personas {
-        let span = tracing::info_span!("persona", id = %p.id);
-        let _enter = span.enter();
-        let port = match start_persona(&cfg, p, &inbox, &stop_rx, &mut tasks).await {
-            Ok(port) => {
-                started += 1;
-                tracing::info!(session = ?p.session.mode, "persona started");
-                port
-            }
-            Err(e) => {
-                tracing::error!(
-                    "persona {} not started: {e:#}; the others keep running",
-                    p.id
-                );
-                Port {
-                    failed: Some(format!("{e:#}")),
-                    ..Port::new(&p.user_id, p.limits.max_pending)
-                }
-            }
-        };
+        let r = Running::launch(&cfg, p, &inbox).await;
         shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(p.id.clone(), port.clone());
-        ports.insert(p.id.clone(), port);
+            .insert(p.id.clone(), r.port.clone());
+        running.insert(p.id.clone(), r);
     }
+    let started = running.values().filter(|r| r.port.failed.is_none()).count();
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
@@ -100,7 +147,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         cfg.cultnet.max_skew_secs,
         inbox.clone(),
         &cfg.cultnet.clients,
-        ports,
+        ports(&running),
     );
     let remote = match &cfg.cultnet.quic {
         Some(q) => {
@@ -120,34 +167,125 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         }
         None => None,
     };
-    tasks.spawn(service::serve_with(
+    let (updates, updates_rx) = tokio::sync::mpsc::channel(4);
+    tasks.spawn(service::serve_updating(
         service,
         endpoint,
         events,
         remote,
+        Some(updates_rx),
         stop_rx.clone(),
     ));
     tracing::info!(personas = started, %cultnet, clients = cfg.cultnet.clients.len(), "gateway running");
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            _ = hup.recv() => {
+                cfg = reload(path, cfg, &inbox, &mut running, &shared, &updates).await;
+            }
+        }
     }
     tracing::info!("stopping");
     let _ = stop_tx.send(true);
-    // A turn in flight may take its grace, then each CLI its 5 s to exit.
-    let grace = cfg
-        .personas
-        .iter()
-        .map(|p| p.session.shutdown_grace_secs)
-        .max()
-        .unwrap_or(0);
-    let _ = tokio::time::timeout(Duration::from_secs(grace + 7), async {
+    // Every Persona stops at once (each within her grace), and the service with them.
+    let mut stopping = JoinSet::new();
+    for r in std::mem::take(&mut running).into_values() {
+        stopping.spawn(r.stop());
+    }
+    let service_done = tokio::time::timeout(Duration::from_secs(5), async {
         while tasks.join_next().await.is_some() {}
-    })
-    .await;
+    });
+    let personas_done = async { while stopping.join_next().await.is_some() {} };
+    let (_, _) = tokio::join!(personas_done, service_done);
     Ok(())
+}
+
+/// SIGHUP: reads the config again. An invalid one is refused and logged, and the running one
+/// kept. Otherwise removed Personas stop, changed ones restart, added ones start, and the
+/// clients' grants are taken at once; the others are not touched. `state_dir`, `cultnet.bind`,
+/// `cultnet.quic` and `metrics` take effect only at a restart (said in the log).
+async fn reload(
+    path: &Path,
+    old: Config,
+    inbox: &Inbox,
+    running: &mut BTreeMap<String, Running>,
+    shared: &gateway::metrics::Ports,
+    updates: &tokio::sync::mpsc::Sender<service::Update>,
+) -> Config {
+    let mut new = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(
+                "SIGHUP: the config {} is refused ({e}); the running one is kept",
+                path.display()
+            );
+            return old;
+        }
+    };
+    if new.state_dir != old.state_dir
+        || new.cultnet.bind != old.cultnet.bind
+        || new.cultnet.quic != old.cultnet.quic
+        || new.metrics != old.metrics
+    {
+        tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic and metrics take effect at the next restart");
+        new.state_dir = old.state_dir.clone();
+        new.cultnet.bind = old.cultnet.bind;
+        new.cultnet.quic = old.cultnet.quic.clone();
+        new.metrics = old.metrics.clone();
+    }
+    let apply = |running: &BTreeMap<String, Running>, clients: &[gateway::config::Client]| {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let u = service::Update {
+            clients: clients.to_vec(),
+            ports: ports(running),
+            applied: Some(tx),
+        };
+        (u, rx)
+    };
+    // Removed or changed Personas stop first; the service lets go of them before any starts
+    // again on the same Matrix store.
+    let going: Vec<String> = running
+        .iter()
+        .filter(|(id, r)| !new.personas.iter().any(|p| &p.id == *id && *p == r.persona))
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in &going {
+        if let Some(r) = running.remove(id) {
+            tracing::info!(persona = %id, "SIGHUP: stopping her (removed or changed)");
+            shared.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+            r.stop().await;
+        }
+    }
+    let (u, applied) = apply(running, &old.cultnet.clients);
+    if updates.send(u).await.is_ok() {
+        let _ = applied.await;
+    }
+    for p in &new.personas {
+        if running.contains_key(&p.id) {
+            continue;
+        }
+        tracing::info!(persona = %p.id, "SIGHUP: starting her (added or changed)");
+        let r = Running::launch(&new, p, inbox).await;
+        shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p.id.clone(), r.port.clone());
+        running.insert(p.id.clone(), r);
+    }
+    let (u, applied) = apply(running, &new.cultnet.clients);
+    if updates.send(u).await.is_ok() {
+        let _ = applied.await;
+    }
+    tracing::info!(
+        personas = running.len(),
+        clients = new.cultnet.clients.len(),
+        "SIGHUP: config reloaded"
+    );
+    new
 }
 
 async fn start_persona(
