@@ -32,8 +32,14 @@ pub const SIZE: (u32, u32) = (1200, 1400);
 pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
     let first = turns.first().ok_or(ReportError::Empty)?;
     let t0 = first.at_ms;
-    // Hours since her first turn in the history.
-    let hours = |r: &TurnRecord| (r.at_ms - t0) as f64 / 3_600_000.0;
+    let span_ms = turns.iter().map(|r| r.at_ms - t0).max().unwrap_or(0);
+    // Time since her first turn in the history: hours, or minutes for a short history.
+    let (unit_ms, unit) = if span_ms >= 2 * 3_600_000 {
+        (3_600_000.0, "hours")
+    } else {
+        (60_000.0, "minutes")
+    };
+    let hours = |r: &TurnRecord| (r.at_ms - t0) as f64 / unit_ms;
     let x_max = turns.iter().map(hours).fold(0.0_f64, f64::max).max(1e-3) * 1.02;
     let mut out = String::new();
     {
@@ -43,10 +49,10 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         title
             .titled(
                 &format!(
-                    "{persona}: {} turns over {:.1} h, cost ${:.4}",
+                    "{persona}: {} turns over {:.1} {unit}, cost ${:.4}",
                     turns.len(),
                     x_max / 1.02,
-                    turns.iter().map(|r| r.cost_usd).sum::<f64>()
+                    turns.iter().map(|r| r.cost_usd).fold(0.0, |a, c| a + c)
                 ),
                 ("sans-serif", 26),
             )
@@ -68,7 +74,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .build_cartesian_2d(0.0..x_max, 0.0..y_max)
             .map_err(draw_err)?;
         c.configure_mesh()
-            .x_desc("hours")
+            .x_desc(unit)
             .y_label_formatter(&|v| format!("{:.0}k", v / 1000.0))
             .draw()
             .map_err(draw_err)?;
@@ -105,16 +111,29 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .iter()
             .filter(|r| !r.decision.is_empty() && r.decision != "Continue")
             .collect();
-        c.draw_series(decisions.iter().map(|r| {
-            let color = if r.decision.starts_with("Compact") {
+        let color_of = |d: &str| {
+            if d.starts_with("Compact") {
                 RGBColor(0, 150, 0)
-            } else {
+            } else if d.starts_with("FreshStart") {
                 MAGENTA
+            } else {
+                RGBColor(120, 60, 0)
+            }
+        };
+        // Each marker carries its reason while there are few; with many, the legend counts
+        // them by decision and reason instead (labels would pile up).
+        let labelled = decisions.len() <= 8;
+        c.draw_series(decisions.iter().map(|r| {
+            let color = color_of(&r.decision);
+            let label = if labelled {
+                r.decision.clone()
+            } else {
+                String::new()
             };
             EmptyElement::at((hours(r), r.prefix_tokens as f64))
                 + TriangleMarker::new((0, 0), 8, color.filled())
                 + Text::new(
-                    r.decision.clone(),
+                    label,
                     (6, -18),
                     ("sans-serif", 13).into_font().color(&color),
                 )
@@ -122,6 +141,17 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         .map_err(draw_err)?
         .label("refresh decision (and its reason)")
         .legend(|(x, y)| TriangleMarker::new((x + 10, y), 6, MAGENTA.filled()));
+        let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
+        for r in &decisions {
+            *kinds.entry(r.decision.as_str()).or_default() += 1;
+        }
+        for (decision, n) in kinds {
+            let color = color_of(decision);
+            c.draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
+                .map_err(draw_err)?
+                .label(format!("{decision} x{n}"))
+                .legend(move |(x, y)| TriangleMarker::new((x + 10, y), 6, color.filled()));
+        }
         c.configure_series_labels()
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
@@ -138,7 +168,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .build_cartesian_2d(0.0..x_max, 0.0..1.05)
             .map_err(draw_err)?;
         c.configure_mesh()
-            .x_desc("hours")
+            .x_desc(unit)
             .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
             .draw()
             .map_err(draw_err)?;
@@ -177,7 +207,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .build_cartesian_2d(0.0..x_max, 0.0..cost_max)
             .map_err(draw_err)?;
         c.configure_mesh()
-            .x_desc("hours")
+            .x_desc(unit)
             .y_label_formatter(&|v| format!("${v:.3}"))
             .draw()
             .map_err(draw_err)?;
@@ -215,7 +245,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .build_cartesian_2d(0.0..x_max, 0.0..y_max)
             .map_err(draw_err)?;
         c.configure_mesh()
-            .x_desc("hours")
+            .x_desc(unit)
             .y_label_formatter(&|v| format!("${v:.2}"))
             .draw()
             .map_err(draw_err)?;
@@ -317,7 +347,7 @@ mod tests {
         assert!(
             texts
                 .iter()
-                .any(|t| t.starts_with("mira: 200 turns over 33.2 h")),
+                .any(|t| t.starts_with("mira: 200 turns over 33.2 hours")),
             "{texts:?}"
         );
         // One line per series: three in the first panel, one in the second, two in the last.

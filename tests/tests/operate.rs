@@ -505,3 +505,112 @@ async fn sighup_adds_removes_and_changes_personas_while_another_keeps_answering(
     c.close().await;
     assert!(gw.stop().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
+    let scene = Scene::new("operate-report", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "or-lobby").await;
+    // The smallest window the config takes, so 200 turns reach the policy's watermark.
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        context_window: 50_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&dir, &mock, 400, "context_window = 50000\n");
+    let session = session
+        .replace("debounce_ms = 200", "debounce_ms = 20")
+        .replace("max_wait_ms = 1000", "max_wait_ms = 100");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#or-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let turns = || {
+        std::fs::read_to_string(dir.join("state/personas/vera/status.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["turns_total"].as_u64())
+            .unwrap_or(0)
+    };
+    for i in 0..200u64 {
+        lobby
+            .send(RoomMessageEventContent::text_plain(format!(
+                "Vera, line {i}: {}",
+                "some words of the day ".repeat(8)
+            )))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while turns() <= i {
+            assert!(
+                Instant::now() < deadline,
+                "turn {i} did not happen; log:\n{}",
+                gw.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let svg = dir.join("report.svg");
+    let out = std::process::Command::new(tests::matrix::gateway_bin())
+        .args(["report", "--out"])
+        .arg(&svg)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&svg).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("well-formed SVG");
+    let texts: Vec<&str> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text())
+        .map(str::trim)
+        .collect();
+    for want in [
+        "prefix",
+        "watermark",
+        "window",
+        "refresh decision (and its reason)",
+        "cache hit ratio",
+        "cost of the turn",
+        "live session",
+        "rebuilding the prompt every turn (estimate)",
+    ] {
+        assert!(texts.contains(&want), "{want:?} missing");
+    }
+    assert!(
+        texts.iter().any(|t| t.starts_with("vera: 200 turns over")),
+        "{texts:?}"
+    );
+    // Each kind of decision is in the legend with its reason and count (`FreshStart(SkiRental) x13`).
+    let decisions: Vec<&&str> = texts
+        .iter()
+        .filter(|t| {
+            (t.starts_with("Compact(") || t.starts_with("FreshStart(")) && t.contains(") x")
+        })
+        .collect();
+    assert!(
+        !decisions.is_empty(),
+        "no refresh decision in 200 turns: {texts:?}"
+    );
+    println!(
+        "report of 200 turns: {} decision markers: {decisions:?}",
+        decisions.len()
+    );
+    if let Ok(keep) = std::env::var("REPORT_SVG") {
+        std::fs::copy(&svg, keep).unwrap();
+    }
+    assert!(gw.stop().success());
+}
