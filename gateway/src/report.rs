@@ -6,6 +6,8 @@
 //! 3. the cost of each turn;
 //! 4. the cumulative cost against what rebuilding the prompt every turn would have cost.
 
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::turns::TurnRecord;
@@ -23,6 +25,54 @@ pub enum ReportError {
 
 fn draw_err<E: std::fmt::Display>(e: E) -> ReportError {
     ReportError::Draw(e.to_string())
+}
+
+/// The series every report draws, by their legend names.
+pub const SERIES: [&str; 8] = [
+    "prefix",
+    "watermark",
+    "window",
+    "refresh decision (and its reason)",
+    "cache hit ratio",
+    "cost of the turn",
+    "live session",
+    "rebuilding the prompt every turn (estimate)",
+];
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// One panel: its caption, time across (in `unit`), 0 to `y_max` up, y labels by `y_label`.
+fn panel<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    caption: &str,
+    unit: &str,
+    x_max: f64,
+    y_max: f64,
+    y_label: &dyn Fn(&f64) -> String,
+) -> Result<Chart<'a, 'b>, ReportError> {
+    let mut c = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(draw_err)?;
+    c.configure_mesh()
+        .x_desc(unit)
+        .y_label_formatter(y_label)
+        .draw()
+        .map_err(draw_err)?;
+    Ok(c)
+}
+
+/// The panel's legend box at `at`.
+fn legend<'a, 'b: 'a>(c: &mut Chart<'a, 'b>, at: SeriesLabelPosition) -> Result<(), ReportError> {
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(at)
+        .draw()
+        .map_err(draw_err)
 }
 
 /// Picture width and height.
@@ -66,18 +116,9 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .max()
             .unwrap_or(1) as f64
             * 1.05;
-        let mut c = ChartBuilder::on(&panels[0])
-            .caption("prompt tokens", ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-            .map_err(draw_err)?;
-        c.configure_mesh()
-            .x_desc(unit)
-            .y_label_formatter(&|v| format!("{:.0}k", v / 1000.0))
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(&panels[0], "prompt tokens", unit, x_max, y_max, &|v| {
+            format!("{:.0}k", v / 1000.0)
+        })?;
         let series = |f: fn(&TurnRecord) -> f64| -> Vec<(f64, f64)> {
             turns.iter().map(|r| (hours(r), f(r))).collect()
         };
@@ -152,26 +193,17 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
                 .label(format!("{decision} x{n}"))
                 .legend(move |(x, y)| TriangleMarker::new((x + 10, y), 6, color.filled()));
         }
-        c.configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(draw_err)?;
+        legend(&mut c, SeriesLabelPosition::UpperLeft)?;
 
         // 2. Cache hit share.
-        let mut c = ChartBuilder::on(&panels[1])
-            .caption("share of the prompt read from cache", ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..1.05)
-            .map_err(draw_err)?;
-        c.configure_mesh()
-            .x_desc(unit)
-            .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(
+            &panels[1],
+            "share of the prompt read from cache",
+            unit,
+            x_max,
+            1.05,
+            &|v| format!("{:.0}%", v * 100.0),
+        )?;
         c.draw_series(LineSeries::new(
             series(|r| r.hit_ratio),
             BLUE.stroke_width(2),
@@ -185,12 +217,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
                 .map(|r| Circle::new((hours(r), r.hit_ratio), 2, BLUE.filled())),
         )
         .map_err(draw_err)?;
-        c.configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(draw_err)?;
+        legend(&mut c, SeriesLabelPosition::LowerRight)?;
 
         // 3. Cost per turn.
         let cost_max = turns
@@ -199,18 +226,9 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .fold(0.0_f64, f64::max)
             .max(1e-6)
             * 1.1;
-        let mut c = ChartBuilder::on(&panels[2])
-            .caption("cost per turn", ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..cost_max)
-            .map_err(draw_err)?;
-        c.configure_mesh()
-            .x_desc(unit)
-            .y_label_formatter(&|v| format!("${v:.3}"))
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(&panels[2], "cost per turn", unit, x_max, cost_max, &|v| {
+            format!("${v:.3}")
+        })?;
         c.draw_series(
             turns
                 .iter()
@@ -219,12 +237,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         .map_err(draw_err)?
         .label("cost of the turn")
         .legend(|(x, y)| Circle::new((x + 10, y), 3, BLUE.filled()));
-        c.configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(draw_err)?;
+        legend(&mut c, SeriesLabelPosition::UpperLeft)?;
 
         // 4. Cumulative cost against rebuilding every turn.
         let mut cum = Vec::with_capacity(turns.len());
@@ -237,18 +250,9 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             rebuild.push((hours(r), b));
         }
         let y_max = a.max(b).max(1e-6) * 1.05;
-        let mut c = ChartBuilder::on(&panels[3])
-            .caption("cumulative cost", ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(30)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-            .map_err(draw_err)?;
-        c.configure_mesh()
-            .x_desc(unit)
-            .y_label_formatter(&|v| format!("${v:.2}"))
-            .draw()
-            .map_err(draw_err)?;
+        let mut c = panel(&panels[3], "cumulative cost", unit, x_max, y_max, &|v| {
+            format!("${v:.2}")
+        })?;
         c.draw_series(LineSeries::new(cum, BLUE.stroke_width(2)))
             .map_err(draw_err)?
             .label("live session")
@@ -257,12 +261,7 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
             .map_err(draw_err)?
             .label("rebuilding the prompt every turn (estimate)")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
-        c.configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(draw_err)?;
+        legend(&mut c, SeriesLabelPosition::UpperLeft)?;
         root.present().map_err(draw_err)?;
     }
     Ok(out)
@@ -317,16 +316,7 @@ mod tests {
             .filter_map(|n| n.text())
             .map(str::trim)
             .collect();
-        for want in [
-            "prefix",
-            "watermark",
-            "window",
-            "refresh decision (and its reason)",
-            "cache hit ratio",
-            "cost of the turn",
-            "live session",
-            "rebuilding the prompt every turn (estimate)",
-        ] {
+        for want in SERIES {
             assert!(texts.contains(&want), "{want:?} missing: {texts:?}");
         }
         // A marker and its reason for each decision other than going on.

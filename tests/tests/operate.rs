@@ -578,16 +578,7 @@ async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
         .filter_map(|n| n.text())
         .map(str::trim)
         .collect();
-    for want in [
-        "prefix",
-        "watermark",
-        "window",
-        "refresh decision (and its reason)",
-        "cache hit ratio",
-        "cost of the turn",
-        "live session",
-        "rebuilding the prompt every turn (estimate)",
-    ] {
+    for want in gateway::report::SERIES {
         assert!(texts.contains(&want), "{want:?} missing");
     }
     assert!(
