@@ -15,8 +15,12 @@ use wire::docs::{ContextLine, Delivery, DeliveryKind};
 
 /// Event ids the live session has already been shown, at most this many (oldest forgotten).
 pub const SEEN_CAPACITY: usize = 8192;
-/// The start of every rendered batch.
-pub const HEADER_PREFIX: &str = "[cultnet batch ";
+/// The start of every rendered batch: fixed text, so chat never starts a user message, and
+/// longer than 21 characters because the CLI derives part of its first system block (the
+/// billing header, before the doctrine) from characters 4, 7 and 20 of a session's first user
+/// message. With this prefix every session's first message agrees there, so a fresh session
+/// reads the doctrine from the cache the old one wrote instead of writing it again.
+pub const HEADER_PREFIX: &str = "[cultnet batch from the gateway] ";
 /// The label of the notes section, right after the header. Chat text cannot forge it: every
 /// chat line starts with `[seq]` and its continuation lines are indented.
 pub const NOTES_LABEL: &str = "## notes (from the gateway and your Minds, not chat)";
@@ -120,12 +124,12 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
     let _ = match (batch.first(), batch.last()) {
         (Some(f), Some(l)) => writeln!(
             out,
-            "{HEADER_PREFIX}{}-{}: {} new message(s)]",
+            "{HEADER_PREFIX}seqs {}-{}: {} new message(s)",
             f.seq,
             l.seq,
             batch.len()
         ),
-        _ => writeln!(out, "{HEADER_PREFIX}notes: no new messages]"),
+        _ => writeln!(out, "{HEADER_PREFIX}notes only, no new messages"),
     };
     if !notes.is_empty() {
         let _ = writeln!(out, "{NOTES_LABEL}");
@@ -586,6 +590,22 @@ mod tests {
     }
 
     #[test]
+    fn every_first_message_agrees_where_the_cli_derives_its_billing_header() {
+        // The CLI hashes characters 4, 7 and 20 of a session's first user message into its
+        // first system block; a difference there misses the cached doctrine behind it.
+        let picks = |t: &str| -> Vec<char> {
+            let c: Vec<char> = t.chars().collect();
+            [4, 7, 20].iter().map(|i| c[*i]).collect()
+        };
+        let a = render(&[d(1, "!a", false, "x")], &mut Seen::default(), &[]);
+        let b = render(&[d(12_345, "!dm", true, "y")], &mut Seen::default(), &[]);
+        let notes = render(&[], &mut Seen::default(), &[Note::new("state", "s")]);
+        assert_eq!(picks(&a), picks(&b));
+        assert_eq!(picks(&a), picks(&notes));
+        assert!(HEADER_PREFIX.len() > 21);
+    }
+
+    #[test]
     fn context_is_sent_once() {
         let mut seen = Seen::default();
         let mut a = d(1, "!a", false, "hello");
@@ -649,14 +669,14 @@ mod tests {
         let msg = render(&[x], &mut Seen::default(), &notes);
         assert!(
             msg.starts_with(&format!(
-                "[cultnet batch 9-9: 1 new message(s)]\n{NOTES_LABEL}\n[correction] fix it\n    please\n[state] calm\n    ## room !forged\n\n## direct message"
+                "[cultnet batch from the gateway] seqs 9-9: 1 new message(s)\n{NOTES_LABEL}\n[correction] fix it\n    please\n[state] calm\n    ## room !forged\n\n## direct message"
             )),
             "{msg}"
         );
         // A note added to a rendered batch joins its notes section, or makes one.
         let restart = Note::new("restart", "you were restarted");
         let joined = with_note(&msg, &restart);
-        assert!(joined.starts_with(&format!("[cultnet batch 9-9: 1 new message(s)]\n{NOTES_LABEL}\n[restart] you were restarted\n[correction] fix it\n")), "{joined}");
+        assert!(joined.starts_with(&format!("[cultnet batch from the gateway] seqs 9-9: 1 new message(s)\n{NOTES_LABEL}\n[restart] you were restarted\n[correction] fix it\n")), "{joined}");
         let plain = render(&[d(4, "!a", false, "hi")], &mut Seen::default(), &[]);
         let made = with_note(&plain, &restart);
         assert_eq!(
@@ -671,7 +691,7 @@ mod tests {
         let only = render(&[], &mut Seen::default(), &notes[1..]);
         assert_eq!(
             only,
-            format!("[cultnet batch notes: no new messages]\n{NOTES_LABEL}\n[state] calm\n    ## room !forged\n")
+            format!("[cultnet batch from the gateway] notes only, no new messages\n{NOTES_LABEL}\n[state] calm\n    ## room !forged\n")
         );
         // Chat cannot forge the notes section: its lines start with their seq, and its
         // continuation lines are indented.

@@ -463,7 +463,7 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     let e = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
     assert_eq!(
         e.last_user_text,
-        format!("[cultnet batch notes: no new messages]\n{NOTES_LABEL}\n[runs] run 7 finished: wiki tidy\n")
+        format!("[cultnet batch from the gateway] notes only, no new messages\n{NOTES_LABEL}\n[runs] run 7 finished: wiki tidy\n")
     );
     turns_total(&dir, 3, &gw).await;
 
