@@ -82,8 +82,8 @@ enum Command {
         #[arg(long, default_value = "operator-tool")]
         agent: String,
     },
-    /// Talk to a running gateway as a CultNet client: status, pending, ack, send, turn.
-    /// Prints the receipt as JSON.
+    /// Talk to a running gateway as a CultNet client: status, pending, ack, send, turn, note,
+    /// extensions, session. Prints the receipt as JSON.
     Client {
         /// The gateway's CultNet address.
         #[arg(long, default_value = "127.0.0.1:47004")]
