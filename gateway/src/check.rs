@@ -167,7 +167,7 @@ fn state_dir(dir: &Path) -> Line {
                 format!("{} is writable and not in use", dir.display()),
             )
         }
-        Err(e) if e.to_string().contains("lock") || e.to_string().contains("WouldBlock") => bad(
+        Err(e) if crate::inbox::is_lock_contention(&e) => bad(
             Level::Fail,
             subject,
             format!("{} is locked: a gateway is running with it", dir.display()),

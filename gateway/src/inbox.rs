@@ -69,7 +69,7 @@ pub enum InboxError {
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// sled reports a held lock as an I/O error "could not acquire lock" (EAGAIN from flock).
-fn is_lock_contention(e: &sled::Error) -> bool {
+pub(crate) fn is_lock_contention(e: &sled::Error) -> bool {
     match e {
         sled::Error::Io(io) => {
             io.kind() == std::io::ErrorKind::WouldBlock
@@ -621,9 +621,8 @@ impl Inbox {
     /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
         let mut ops = sled::Batch::default();
-        let before = self.counts(persona)?;
-        let after = self.ack_ops(persona, through, &mut ops)?;
-        if after.acked_through > before.acked_through {
+        let (after, changed) = self.ack_ops(persona, through, &mut ops)?;
+        if changed {
             self.tree.apply_batch(ops)?;
             self.db.flush()?;
         }

@@ -482,15 +482,14 @@ pub async fn serve(
                 },
                 _ = stop.changed() => break,
             };
-            let now = ports.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let snapshot = Snapshot::read(&inbox, &ids, &now, &endpoint).await;
-            let not_ready: Vec<String> = snapshot
-                .not_ready()
-                .into_iter()
-                .map(str::to_owned)
-                .collect();
-            *state.lock().unwrap_or_else(|p| p.into_inner()) = snapshot;
             let registry = registry.clone();
+            let (inbox, ids, ports, endpoint, state) = (
+                inbox.clone(),
+                ids.clone(),
+                ports.clone(),
+                endpoint.clone(),
+                state.clone(),
+            );
             tokio::spawn(async move {
                 // The whole request head (at most 8 KiB, 5 s): answering before it is all read
                 // would reset the connection under a client still writing it.
@@ -511,6 +510,18 @@ pub async fn serve(
                 }
                 let head = String::from_utf8_lossy(&buf);
                 let path = head.split_whitespace().nth(1).unwrap_or("/");
+                // The state is read for the requests that show it, in their own task.
+                let mut not_ready = Vec::new();
+                if matches!(path, "/metrics" | "/readyz") {
+                    let now = ports.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    let snapshot = Snapshot::read(&inbox, &ids, &now, &endpoint).await;
+                    not_ready = snapshot
+                        .not_ready()
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect();
+                    *state.lock().unwrap_or_else(|p| p.into_inner()) = snapshot;
+                }
                 let (status, kind, body) = match path {
                     "/metrics" => {
                         let mut text = String::new();

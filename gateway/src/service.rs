@@ -212,18 +212,7 @@ impl Service {
         clients: &[Client],
         ports: BTreeMap<String, Port>,
     ) -> Self {
-        let clients = clients
-            .iter()
-            .filter_map(|c| {
-                let key = c
-                    .key_bytes()
-                    .and_then(|k| VerifyingKey::from_bytes(&k).ok());
-                if key.is_none() {
-                    tracing::error!(agent = %c.agent_id, "client key is not an ed25519 key; left out");
-                }
-                Some((c.agent_id.clone(), (key?, c.clone())))
-            })
-            .collect();
+        let clients = pinned(clients);
         Self {
             runtime_id: runtime_id.to_owned(),
             started_at: rfc3339(crate::ear::unix_ms()),
@@ -907,6 +896,23 @@ pub async fn serve(
     serve_with(service, endpoint, events, None, stop).await;
 }
 
+/// The configured clients by agent id with their pinned keys (a key that is not an ed25519 key
+/// was refused by the config already; should one get here, it is left out and logged).
+fn pinned(clients: &[Client]) -> HashMap<String, (VerifyingKey, Client)> {
+    clients
+        .iter()
+        .filter_map(|c| {
+            let key = c
+                .key_bytes()
+                .and_then(|k| VerifyingKey::from_bytes(&k).ok());
+            if key.is_none() {
+                tracing::error!(agent = %c.agent_id, "client key is not an ed25519 key; left out");
+            }
+            Some((c.agent_id.clone(), (key?, c.clone())))
+        })
+        .collect()
+}
+
 /// A new set of clients and Personas for a running service (a reloaded config).
 #[derive(Debug)]
 pub struct Update {
@@ -922,15 +928,7 @@ pub struct Update {
 impl Service {
     /// Takes a reloaded config's clients and the Personas as they now run.
     pub fn update(&mut self, mut u: Update) {
-        let fresh = Service::new(
-            "",
-            self.connection_id,
-            0,
-            self.inbox.clone(),
-            &u.clients,
-            BTreeMap::new(),
-        );
-        self.clients = fresh.clients;
+        self.clients = pinned(&u.clients);
         self.ports = std::mem::take(&mut u.ports);
         tracing::info!(
             clients = self.clients.len(),

@@ -74,6 +74,14 @@ pub fn live_section(
     (session_section(&prompt, mock, &credential, extra), prompt)
 }
 
+/// `session` (from [`live_section`]) with turns that start only when asked for (a CultNet turn
+/// request, an operator's mail): the debounce and its cap are ten minutes.
+pub fn turns_on_request(session: &str) -> String {
+    session
+        .replace("debounce_ms = 200", "debounce_ms = 600000")
+        .replace("max_wait_ms = 1000", "max_wait_ms = 600000")
+}
+
 /// A live `[persona.session]` section with her doctrine at `prompt`, the mock's URL, a
 /// `credential` line (`api_key_file = ...` or `oauth_token_file = ...`) and `extra` lines:
 /// turns start 200 ms after the last mail (1 s at most) and may take 60 s.

@@ -410,7 +410,29 @@ pub fn write_config(
     operators: &[&str],
     session: &str,
 ) -> PathBuf {
-    let token_file = dir.join("vera.token");
+    let text = format!(
+        "state_dir = \"{state}\"\n\n[cultnet]\nbind = \"127.0.0.1:0\"\n{persona}\n",
+        state = dir.join("state").display(),
+        persona = persona_block(dir, "vera", hs, token, rooms, operators, session),
+    );
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, text).expect("write config");
+    path
+}
+
+/// A `[[persona]]` block for `@ID:localhost` on device `GW-ID` (upper case), her token written
+/// to `DIR/ID.token` (mode 0600), with her rooms and operators, and `extra` lines after it
+/// (a `[persona.session]` or `[persona.limits]` section).
+pub fn persona_block(
+    dir: &Path,
+    id: &str,
+    hs: &str,
+    token: &str,
+    rooms: &[&str],
+    operators: &[&str],
+    extra: &str,
+) -> String {
+    let token_file = dir.join(format!("{id}.token"));
     write_private(&token_file, token);
     let list = |v: &[&str]| {
         v.iter()
@@ -418,30 +440,24 @@ pub fn write_config(
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let text = format!(
-        r#"state_dir = "{state}"
-
-[cultnet]
-bind = "127.0.0.1:0"
-
-[[persona]]
-id = "vera"
-homeserver = "{hs}"
-user_id = "@vera:localhost"
-device_id = "GW-VERA"
-access_token_file = "{token}"
-rooms = [{rooms}]
-operators = [{ops}]
-{session}
-"#,
-        state = dir.join("state").display(),
-        token = token_file.display(),
+    format!(
+        "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{hs}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{device}\"\naccess_token_file = \"{file}\"\nrooms = [{rooms}]\noperators = [{ops}]\n{extra}\n",
+        device = id.to_uppercase(),
+        file = token_file.display(),
         rooms = list(rooms),
         ops = list(operators),
-    );
-    let path = dir.join("gateway.toml");
-    std::fs::write(&path, text).expect("write config");
-    path
+    )
+}
+
+/// Runs `cultnet-gateway ARGS --config CONFIG` (text logs) to its end.
+pub fn run_cli(args: &[&str], config: &Path) -> std::process::Output {
+    std::process::Command::new(gateway_bin())
+        .args(["--log-format", "text"])
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("running cultnet-gateway")
 }
 
 /// A fresh temporary directory for a test (named after it and this process).

@@ -10,11 +10,7 @@ use tests::synapse::Limits;
 
 /// Runs `check`; its exit code and what it printed.
 fn check(config: &Path) -> (Option<i32>, String) {
-    let out = std::process::Command::new(tests::matrix::gateway_bin())
-        .args(["--log-format", "text", "check", "--config"])
-        .arg(config)
-        .output()
-        .unwrap();
+    let out = tests::matrix::run_cli(&["check"], config);
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -136,12 +136,7 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     assert_eq!(status2["turns_total"], 3, "{status2}");
     // `cultnet-gateway status` shows the same.
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(tests::matrix::gateway_bin())
-            .args(args)
-            .arg("--config")
-            .arg(&config)
-            .output()
-            .unwrap();
+        let out = tests::matrix::run_cli(args, &config);
         assert!(
             out.status.success(),
             "{args:?}: {}",
@@ -524,9 +519,7 @@ async fn a_cultnet_turn_request_starts_her_turn_at_once() {
     let lobby = public_room(ann, "tr-lobby").await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 200, "");
-    let session = session
-        .replace("debounce_ms = 200", "debounce_ms = 600000")
-        .replace("max_wait_ms = 1000", "max_wait_ms = 600000");
+    let session = tests::live::turns_on_request(&session);
     let heart = SigningKey::from_bytes(&[9; 32]);
     let public = public_hex(&heart);
     let config = write_config(

@@ -614,8 +614,6 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     };
     let vera_key = files("vera.key", "sk-ant-api03-old-vera-key");
     let mira_oauth = files("mira.oauth", OAUTH);
-    let vera_tok = files("vera.token", &scene.vera_token);
-    let mira_tok = files("mira.token", &mira_token);
     for (who, name) in [("vera", "Vera"), ("mira", "Mira")] {
         std::fs::write(
             dir.join(format!("{who}.md")),
@@ -624,12 +622,16 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
         .unwrap();
     }
     let ops = SigningKey::from_bytes(&[14; 32]);
-    let persona = |id: &str, token: &std::path::Path, cred: &str| {
-        format!(
-            "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{url}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{}\"\naccess_token_file = \"{}\"\nrooms = [\"#mc-lobby:localhost\"]\n{}",
-            id.to_uppercase(),
-            token.display(),
-            tests::live::session_section(&dir.join(format!("{id}.md")), &mock, cred, ""),
+    let persona = |id: &str, token: &str, cred: &str| {
+        let session = tests::live::session_section(&dir.join(format!("{id}.md")), &mock, cred, "");
+        tests::matrix::persona_block(
+            &dir,
+            id,
+            &url,
+            token,
+            &["#mc-lobby:localhost"],
+            &[],
+            &session,
         )
     };
     let config = dir.join("gateway.toml");
@@ -642,12 +644,12 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
                 .replace("personas = [\"vera\"]", "personas = [\"*\"]"),
             persona(
                 "vera",
-                &vera_tok,
+                &scene.vera_token,
                 &format!("api_key_file = \"{}\"", vera_key.display())
             ),
             persona(
                 "mira",
-                &mira_tok,
+                &mira_token,
                 &format!("oauth_token_file = \"{}\"", mira_oauth.display())
             ),
         ),

@@ -60,9 +60,7 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 800, "");
     // Turns only on request, so the pending mail can be seen before it is answered.
-    let session = session
-        .replace("debounce_ms = 200", "debounce_ms = 600000")
-        .replace("max_wait_ms = 1000", "max_wait_ms = 600000");
+    let session = tests::live::turns_on_request(&session);
     let heart = SigningKey::from_bytes(&[21; 32]);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -345,7 +343,7 @@ async fn persona_ids(c: &mut Client, key: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_adds_removes_and_changes_personas_while_another_keeps_answering() {
-    use tests::matrix::{token_for, write_private};
+    use tests::matrix::token_for;
     use wire::docs::{PendingPage, PendingRequest};
     let scene = Scene::new("operate-sighup", Limits::Relaxed).await;
     let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
@@ -370,12 +368,14 @@ async fn sighup_adds_removes_and_changes_personas_while_another_keeps_answering(
         );
     }
     let persona = |id: &str, extra: &str| {
-        let file = dir.join(format!("{id}.token"));
-        write_private(&file, &tokens[id]);
-        format!(
-            "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{url}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{}\"\naccess_token_file = \"{}\"\nrooms = [\"#oh-lobby:localhost\"]\n{extra}",
-            id.to_uppercase(),
-            file.display()
+        tests::matrix::persona_block(
+            &dir,
+            id,
+            &url,
+            &tokens[id],
+            &["#oh-lobby:localhost"],
+            &[],
+            extra,
         )
     };
     let organ = SigningKey::from_bytes(&[31; 32]);
@@ -558,13 +558,7 @@ async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
         }
     }
     let svg = dir.join("report.svg");
-    let out = std::process::Command::new(tests::matrix::gateway_bin())
-        .args(["report", "--out"])
-        .arg(&svg)
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = tests::matrix::run_cli(&["report", "--out", svg.to_str().unwrap()], &config);
     assert!(
         out.status.success(),
         "{}",

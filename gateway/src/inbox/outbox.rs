@@ -50,13 +50,14 @@ pub struct ExtensionPage {
 }
 
 impl Inbox {
-    /// Acks the deliveries through `through` into `ops` (see [`Inbox::ack`]); the counts after.
+    /// Acks the deliveries through `through` into `ops` (see [`Inbox::ack`]): the counts after,
+    /// and whether `ops` now holds anything (nothing when `through` was acknowledged already).
     pub(super) fn ack_ops(
         &self,
         persona: &str,
         through: u64,
         ops: &mut sled::Batch,
-    ) -> Result<Counts, InboxError> {
+    ) -> Result<(Counts, bool), InboxError> {
         let c = self.counts(persona)?;
         if through > c.highest {
             return Err(InboxError::AckBeyondHighest {
@@ -65,7 +66,7 @@ impl Inbox {
             });
         }
         if through <= c.acked_through {
-            return Ok(c);
+            return Ok((c, false));
         }
         for k in self
             .tree
@@ -75,11 +76,12 @@ impl Inbox {
             ops.remove(k?);
         }
         ops.insert(key(persona, b"acked"), &through.to_be_bytes());
-        Ok(Counts {
+        let after = Counts {
             highest: c.highest,
             acked_through: through,
             pending: c.highest - through,
-        })
+        };
+        Ok((after, true))
     }
 
     /// Ends a turn in one flushed batch: its deliveries acked, its notes shown, its extension
@@ -87,7 +89,7 @@ impl Inbox {
     pub fn commit_turn(&self, persona: &str, t: &TurnCommit<'_>) -> Result<Counts, InboxError> {
         let mut ops = sled::Batch::default();
         let counts = match t.ack_through {
-            Some(through) => self.ack_ops(persona, through, &mut ops)?,
+            Some(through) => self.ack_ops(persona, through, &mut ops)?.0,
             None => self.counts(persona)?,
         };
         for seq in t.notes_shown {

@@ -84,13 +84,7 @@ fn real_model() -> Option<String> {
 }
 
 fn gateway_cli(args: &[&str], config: &Path) -> String {
-    let out = std::process::Command::new(tests::matrix::gateway_bin())
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .expect("cultnet-gateway");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    String::from_utf8_lossy(&tests::matrix::run_cli(args, config).stdout).into_owned()
 }
 
 #[tokio::main]
@@ -152,12 +146,14 @@ async fn main() {
     let organ = ed25519_dalek::SigningKey::from_bytes(&[0x4f; 32]);
     let organ_public = gateway::config::hex(organ.verifying_key().as_bytes());
     let persona = |id: &str, token: &str, extra: &str| {
-        let file = dir.join(format!("{id}.token"));
-        write_private(&file, token);
-        format!(
-            "\n[[persona]]\nid = \"{id}\"\nhomeserver = \"{url}\"\nuser_id = \"@{id}:localhost\"\ndevice_id = \"GW-{}\"\naccess_token_file = \"{}\"\nrooms = [\"#commons:localhost\"]\noperators = [\"@ann:localhost\"]\n{extra}",
-            id.to_uppercase(),
-            file.display()
+        tests::matrix::persona_block(
+            &dir,
+            id,
+            &url,
+            token,
+            &["#commons:localhost"],
+            &["@ann:localhost"],
+            extra,
         )
     };
     let vera_token = token_for(&url, "vera", "vera-pw", "GW-VERA").await;
