@@ -224,6 +224,24 @@ pub struct CultNet {
     pub clients: Vec<Client>,
     /// CultNet for remote peers over QUIC (off when absent).
     pub quic: Option<Quic>,
+    /// Requests per second one client may make, sustained (a token bucket); past it (and its
+    /// burst) a request is answered `failed`, retry later.
+    pub requests_per_sec: u32,
+    /// Requests one client may make at once above its rate.
+    pub request_burst: u32,
+    /// Sends and session verbs of one client running at once, at most.
+    pub max_in_flight: usize,
+}
+
+impl CultNet {
+    /// The per-client limits these settings give.
+    pub fn limits(&self) -> crate::service::ClientLimits {
+        crate::service::ClientLimits {
+            requests_per_sec: f64::from(self.requests_per_sec.max(1)),
+            burst: f64::from(self.request_burst.max(1)),
+            max_in_flight: self.max_in_flight.max(1),
+        }
+    }
 }
 
 /// `[cultnet.quic]`: the same service for remote peers, over QUIC.
@@ -248,6 +266,9 @@ impl Default for CultNet {
             max_skew_secs: 120,
             clients: Vec::new(),
             quic: None,
+            requests_per_sec: 10_000,
+            request_burst: 10_000,
+            max_in_flight: 16,
         }
     }
 }

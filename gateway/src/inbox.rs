@@ -620,13 +620,29 @@ impl Inbox {
     /// it is refused and nothing changes. Flushed before it returns. A chunk is removed once
     /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
+        let (after, changed) = self.ack_unflushed(persona, through)?;
+        if changed {
+            self.db.flush()?;
+        }
+        Ok(after)
+    }
+
+    /// [`Inbox::ack`] without the flush, for group commit: the ack is visible at once, and
+    /// durable after the next [`Inbox::flush`]; nobody may be told it is done before that.
+    /// Says whether it wrote anything.
+    pub fn ack_unflushed(&self, persona: &str, through: u64) -> Result<(Counts, bool), InboxError> {
         let mut ops = sled::Batch::default();
         let (after, changed) = self.ack_ops(persona, through, &mut ops)?;
         if changed {
             self.tree.apply_batch(ops)?;
-            self.db.flush()?;
         }
-        Ok(after)
+        Ok((after, changed))
+    }
+
+    /// Makes every write so far durable (one fsync for however many acks came before it).
+    pub fn flush(&self) -> Result<(), InboxError> {
+        self.db.flush()?;
+        Ok(())
     }
 
     /// A session value of the Persona (`s:NAME` in the meta keys): session id, generation,

@@ -7,6 +7,13 @@
 //! signed Connect payload, checked exactly as on RUDP (the same connection id is signed); a
 //! refusal closes the connection with the reason. ALPN is [`ALPN`].
 //!
+//! Before a connection is authenticated it gets little: new connections must prove their
+//! address (a Retry round trip), at most [`MAX_UNAUTHENTICATED`] are in their handshake or
+//! waiting for their Connect frame at once (more are refused), that first frame may be at most
+//! [`PRE_AUTH_FRAME`] bytes and must arrive within [`CONNECT_WAIT`], and each connection may
+//! open one stream whose receive window is [`RECEIVE_WINDOW`]. So a flood of connections
+//! costs a bounded amount of memory, and authenticated clients keep being served.
+//!
 //! The server's certificate comes from PEM files, or is made once (self-signed, for the names
 //! [`SERVER_NAMES`]) and kept in `STATE/quic/`. Clients pin it: they trust exactly that
 //! certificate and connect with the server name `cultnet-gateway`. Its SHA-256 is logged at
@@ -33,8 +40,16 @@ pub const ALPN: &[u8] = b"cultnet/0";
 pub const SERVER_NAMES: [&str; 2] = ["cultnet-gateway", "localhost"];
 /// Largest frame accepted on a stream.
 pub const MAX_FRAME: usize = 8 * 1024 * 1024;
+/// Largest first frame (the Connect payload, a few hundred bytes) before authentication.
+pub const PRE_AUTH_FRAME: usize = 4 * 1024;
 /// How long a new connection may take to open its stream and send its Connect payload.
-pub const CONNECT_WAIT: Duration = Duration::from_secs(10);
+pub const CONNECT_WAIT: Duration = Duration::from_secs(3);
+/// Connections in their handshake or not yet authenticated, at most; more are refused.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+/// Authenticated connections, at most; more are refused.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Bytes a client may have in flight towards the gateway, per stream and per connection.
+pub const RECEIVE_WINDOW: u32 = 256 * 1024;
 
 /// QUIC setup failures.
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +162,18 @@ pub fn server(bind: SocketAddr, identity: Identity) -> Result<quinn::Endpoint, Q
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| QuicError::Cert(e.to_string()))?;
-    let config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_concurrent_bidi_streams(1u32.into())
+        .max_concurrent_uni_streams(0u32.into())
+        .stream_receive_window(RECEIVE_WINDOW.into())
+        .receive_window(RECEIVE_WINDOW.into());
+    config
+        .transport_config(Arc::new(transport))
+        .max_incoming(MAX_UNAUTHENTICATED * 4)
+        .incoming_buffer_size(16 * 1024)
+        .incoming_buffer_size_total(1024 * 1024);
     quinn::Endpoint::server(config, bind).map_err(|source| QuicError::Bind { addr: bind, source })
 }
 
@@ -174,15 +200,31 @@ pub async fn accept(
     remote: mpsc::Sender<Remote>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let unauthenticated = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let incoming = tokio::select! {
             i = endpoint.accept() => i,
             _ = stop.changed() => break,
         };
         let Some(incoming) = incoming else { break };
+        // Address validation: a new peer first echoes a Retry token (spoofed sources cannot).
+        if !incoming.remote_address_validated() && incoming.may_retry() {
+            let _ = incoming.retry();
+            continue;
+        }
+        let (Ok(pre), Ok(slot)) = (
+            unauthenticated.clone().try_acquire_owned(),
+            connections.clone().try_acquire_owned(),
+        ) else {
+            crate::metrics::global().refused("quic_busy");
+            incoming.refuse();
+            continue;
+        };
         let remote = remote.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection(incoming, remote).await {
+            let _slot = slot;
+            if let Err(e) = connection(incoming, remote, pre).await {
                 tracing::debug!("QUIC connection ended: {e}");
             }
         });
@@ -190,15 +232,36 @@ pub async fn accept(
     endpoint.close(0u32.into(), b"gateway stopping");
 }
 
-async fn connection(incoming: quinn::Incoming, remote: mpsc::Sender<Remote>) -> anyhow::Result<()> {
-    let conn = incoming.await?;
+async fn connection(
+    incoming: quinn::Incoming,
+    remote: mpsc::Sender<Remote>,
+    pre_auth: tokio::sync::OwnedSemaphorePermit,
+) -> anyhow::Result<()> {
+    let mut frames = FrameDecoder::new(PRE_AUTH_FRAME);
+    // Handshake, stream and Connect frame, all within CONNECT_WAIT, read in small pieces.
+    let opened = tokio::time::timeout(CONNECT_WAIT, async {
+        let conn = incoming.await?;
+        let (send, mut recv) = conn.accept_bi().await?;
+        let first = next_frame(&mut recv, &mut frames, PRE_AUTH_FRAME).await;
+        anyhow::Ok((conn, send, recv, first))
+    })
+    .await;
+    let (conn, mut send, mut recv, first) = match opened {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => return Err(e),
+        Err(_) => anyhow::bail!("no Connect frame within {CONNECT_WAIT:?}"),
+    };
     let peer = conn.remote_address();
-    let (mut send, mut recv) = tokio::time::timeout(CONNECT_WAIT, conn.accept_bi()).await??;
-    let mut frames = FrameDecoder::new(MAX_FRAME);
-    let Some(payload) =
-        tokio::time::timeout(CONNECT_WAIT, next_frame(&mut recv, &mut frames)).await??
-    else {
-        return Ok(());
+    let payload = match first {
+        Ok(Some(p)) => p,
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            conn.close(
+                1u32.into(),
+                b"the first frame must be a Connect payload of at most 4 KiB",
+            );
+            return Err(e);
+        }
     };
     let (out, mut outgoing) = mpsc::channel::<Bytes>(256);
     let (verdict, refused) = oneshot::channel();
@@ -214,6 +277,9 @@ async fn connection(incoming: quinn::Incoming, remote: mpsc::Sender<Remote>) -> 
         conn.close(1u32.into(), why.as_bytes());
         return Ok(());
     }
+    drop(pre_auth);
+    frames.set_max(MAX_FRAME);
+    let closing = conn.clone();
     let writer = tokio::spawn(async move {
         while let Some(bytes) = outgoing.recv().await {
             let Ok(framed) = wire::msg::frame(&bytes, MAX_FRAME) else {
@@ -221,12 +287,14 @@ async fn connection(incoming: quinn::Incoming, remote: mpsc::Sender<Remote>) -> 
                 continue;
             };
             if send.write_all(&framed).await.is_err() {
-                break;
+                return;
             }
         }
+        // The service let go of this peer (it broke its limits).
+        closing.close(2u32.into(), b"closed by the gateway: limits exceeded");
     });
     let ended = loop {
-        match next_frame(&mut recv, &mut frames).await {
+        match next_frame(&mut recv, &mut frames, 64 * 1024).await {
             Ok(Some(payload)) => {
                 if remote.send(Remote::Frame { peer, payload }).await.is_err() {
                     break Ok(());
@@ -241,16 +309,18 @@ async fn connection(incoming: quinn::Incoming, remote: mpsc::Sender<Remote>) -> 
     ended
 }
 
-/// The next whole frame, or `None` at the end of the stream.
+/// The next whole frame, or `None` at the end of the stream; reads at most `chunk` bytes at a
+/// time, so the decoder never holds more than its frame limit plus one chunk.
 async fn next_frame(
     recv: &mut quinn::RecvStream,
     frames: &mut FrameDecoder,
+    chunk: usize,
 ) -> anyhow::Result<Option<Bytes>> {
     loop {
         if let Some(frame) = frames.next_frame()? {
             return Ok(Some(frame));
         }
-        match recv.read_chunk(64 * 1024, true).await? {
+        match recv.read_chunk(chunk, true).await? {
             Some(chunk) => frames.push(&chunk.bytes),
             None => return Ok(None),
         }

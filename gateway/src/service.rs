@@ -18,11 +18,26 @@
 //! [`Service`] holds the rules and answers what it can at once; a send, which may wait for the
 //! homeserver, comes back as [`Answer::Send`] for [`serve`] to run on its own task, so one slow
 //! homeserver does not hold other clients up.
+//!
+//! # Under load and attack
+//! - [`start`] runs the endpoint's socket task and the service loop on a thread of their own,
+//!   so sled's blocking calls never stall the runtime that runs the ears, mouths and turns, and
+//!   the hops between socket and service stay on one thread.
+//! - Acks are group-committed: the loop takes every event waiting, applies the acks, flushes
+//!   the inbox once, and only then answers them ([`Answer::AfterFlush`]).
+//! - Each authenticated client has a budget ([`ClientLimits`]): requests per second (a token
+//!   bucket), requests of its own in flight; past them it is answered `failed` (retry later),
+//!   and one that goes on for a whole burst after being told is disconnected with the reason.
+//!   A client that does not read its answers fills its session's send queue and is
+//!   disconnected too. The others are not affected.
+//! - Connect refusals are logged at most once per source address per 10 s and 10 a second in
+//!   all ([`limits::RefusalLog`]); a replayed nonce is refused before its signature is checked.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use ed25519_dalek::VerifyingKey;
@@ -41,6 +56,10 @@ use crate::ear::{EarStats, Signals};
 use crate::endpoint::{EndpointEvent, EndpointHandle};
 use crate::inbox::Inbox;
 use crate::mouth::Mouth;
+
+pub mod limits;
+pub use limits::ClientLimits;
+use limits::{Budget, RefusalLog, Verdict};
 
 /// The channel requests and answers travel on.
 pub const CHANNEL: &str = "schema";
@@ -148,6 +167,8 @@ pub enum Answer {
         request: wire::docs::SendRequest,
         /// Her mouth.
         mouth: Mouth,
+        /// Counts the request against its client's in-flight limit until dropped.
+        slot: InFlight,
     },
     /// A session verb queued for her turn loop; its receipt goes back under `record_key` once
     /// it is applied (at her next turn boundary).
@@ -158,7 +179,19 @@ pub enum Answer {
         request: wire::docs::ControlRequest,
         /// Where the receipt comes from.
         receipt: tokio::sync::oneshot::Receiver<ControlReceipt>,
+        /// Counts the request against its client's in-flight limit until dropped.
+        slot: InFlight,
     },
+    /// An answer that may go out only once the inbox is flushed (an ack): `ok` then, or
+    /// `failed` if the flush failed.
+    AfterFlush {
+        /// The receipt.
+        ok: Bytes,
+        /// The receipt to send instead when the flush failed.
+        failed: Bytes,
+    },
+    /// End this client's session with the reason (it broke its limits).
+    Disconnect(String),
     /// A read receipt for the last acknowledged event.
     ReadReceipt {
         /// Her mouth.
@@ -168,6 +201,31 @@ pub enum Answer {
         /// The event.
         event_id: String,
     },
+}
+
+/// One request of a client still running; its client's in-flight count drops when this does.
+#[derive(Debug)]
+pub struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
+
+impl InFlight {
+    fn take(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What the service keeps per authenticated client.
+#[derive(Debug)]
+struct Peer {
+    agent: String,
+    budget: Budget,
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Service counters.
@@ -183,6 +241,12 @@ pub struct ServiceStats {
     pub rejected: u64,
     /// Messages that did not decode, or were not requests.
     pub bad_messages: u64,
+    /// Requests answered `failed` because their client was over its rate or in-flight limit.
+    pub limited: u64,
+    /// Clients disconnected for breaking their limits.
+    pub cut_off: u64,
+    /// Inbox flushes (one per batch of acks).
+    pub flushes: u64,
 }
 
 /// The service's state and rules.
@@ -195,10 +259,17 @@ pub struct Service {
     inbox: Inbox,
     clients: HashMap<String, (VerifyingKey, Client)>,
     ports: BTreeMap<String, Port>,
-    peers: HashMap<SocketAddr, String>,
+    peers: HashMap<SocketAddr, Peer>,
     greeted: std::collections::HashSet<SocketAddr>,
     nonces: HashMap<(String, String), u64>,
     stats: ServiceStats,
+    limits: ClientLimits,
+    refusals: RefusalLog,
+    /// Acks applied but not yet flushed.
+    unflushed: bool,
+    /// Where sends, verbs and read receipts run (the gateway's main runtime); the current one
+    /// when unset.
+    tasks: Option<tokio::runtime::Handle>,
 }
 
 impl Service {
@@ -225,7 +296,32 @@ impl Service {
             greeted: Default::default(),
             nonces: HashMap::new(),
             stats: ServiceStats::default(),
+            limits: ClientLimits::default(),
+            refusals: RefusalLog::default(),
+            unflushed: false,
+            tasks: None,
         }
+    }
+
+    /// The same service with these per-client limits.
+    pub fn with_limits(mut self, limits: ClientLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The same service running its network answers (sends, verbs, read receipts) on `tasks`.
+    pub fn with_tasks(mut self, tasks: tokio::runtime::Handle) -> Self {
+        self.tasks = Some(tasks);
+        self
+    }
+
+    /// Makes the acks applied since the last commit durable (one flush for all of them).
+    pub fn commit(&mut self) -> Result<(), crate::inbox::InboxError> {
+        if !std::mem::take(&mut self.unflushed) {
+            return Ok(());
+        }
+        self.stats.flushes += 1;
+        self.inbox.flush()
     }
 
     /// Counters.
@@ -245,7 +341,14 @@ impl Service {
         match &out {
             Ok(agent) => {
                 self.stats.accepted += 1;
-                self.peers.insert(peer, agent.clone());
+                self.peers.insert(
+                    peer,
+                    Peer {
+                        agent: agent.clone(),
+                        budget: Budget::new(&self.limits, std::time::Instant::now()),
+                        in_flight: Arc::default(),
+                    },
+                );
                 let m = crate::metrics::global();
                 m.connects_accepted.inc();
                 m.peers.set(self.peers.len() as i64);
@@ -254,7 +357,9 @@ impl Service {
             Err(why) => {
                 self.stats.refused += 1;
                 crate::metrics::global().refused(why.reason());
-                tracing::warn!(%peer, "CultNet connect refused: {why}");
+                if let Some(held_back) = self.refusals.admit(peer.ip(), std::time::Instant::now()) {
+                    tracing::warn!(%peer, held_back, "CultNet connect refused: {why}");
+                }
             }
         }
         out
@@ -266,6 +371,14 @@ impl Service {
             .clients
             .get(&p.agent_id)
             .ok_or_else(|| Refusal::UnknownAgent(p.agent_id.clone()))?;
+        // A replayed payload is refused before its signature costs anything (only verified
+        // nonces are remembered, so a forger cannot poison this).
+        if self
+            .nonces
+            .contains_key(&(p.agent_id.clone(), p.nonce.clone()))
+        {
+            return Err(Refusal::Replay(p.agent_id));
+        }
         p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
         // A nonce older than twice the skew cannot pass the time check again: forget those
         // once there are a few.
@@ -296,7 +409,7 @@ impl Service {
     /// Forgets a peer whose session ended.
     pub fn forget(&mut self, peer: SocketAddr) {
         self.greeted.remove(&peer);
-        if let Some(agent) = self.peers.remove(&peer) {
+        if let Some(Peer { agent, .. }) = self.peers.remove(&peer) {
             crate::metrics::global().peers.set(self.peers.len() as i64);
             tracing::info!(%peer, %agent, "CultNet client gone");
         }
@@ -304,9 +417,68 @@ impl Service {
 
     /// Answers one frame from an authenticated peer.
     pub fn handle(&mut self, peer: SocketAddr, frame: &Frame) -> Vec<Answer> {
-        let Some(agent) = self.peers.get(&peer).cloned() else {
+        self.handle_at(peer, frame, std::time::Instant::now())
+    }
+
+    /// [`Service::handle`] at `now` (the client's budget refills with time).
+    pub fn handle_at(
+        &mut self,
+        peer: SocketAddr,
+        frame: &Frame,
+        now: std::time::Instant,
+    ) -> Vec<Answer> {
+        let limits = self.limits;
+        let Some(p) = self.peers.get_mut(&peer) else {
             return Vec::new();
         };
+        let agent = p.agent.clone();
+        match p.budget.take(&limits, now) {
+            Verdict::Allow => {}
+            Verdict::Refuse => {
+                self.stats.limited += 1;
+                return self.over_limit(
+                    frame,
+                    format!(
+                        "rate limit: {} requests/s (burst {}); retry later",
+                        limits.requests_per_sec, limits.burst
+                    ),
+                );
+            }
+            Verdict::Disconnect => {
+                self.stats.cut_off += 1;
+                tracing::warn!(%peer, %agent, "CultNet client cut off: it kept going past its rate limit");
+                self.forget(peer);
+                return vec![Answer::Disconnect(format!(
+                    "request rate limit ({} requests/s) exceeded after being told",
+                    limits.requests_per_sec
+                ))];
+            }
+        }
+        let in_flight = p.in_flight.clone();
+        self.handle_allowed(peer, &agent, frame, &in_flight)
+    }
+
+    /// The answer to a request over its client's limits: its receipt with status `failed` (or
+    /// an error for requests without a status); nothing for what is not a request.
+    fn over_limit(&self, frame: &Frame, why: String) -> Vec<Answer> {
+        let Ok(Message::DocumentPutRaw(put)) = Message::decode(&frame.payload) else {
+            return Vec::new();
+        };
+        let key = put.document.record_key.clone();
+        match Request::from_document(&put.document) {
+            Ok(req) => vec![self.refusal_with(&req, &key, why, Status::Failed)],
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn handle_allowed(
+        &mut self,
+        peer: SocketAddr,
+        agent: &str,
+        frame: &Frame,
+        in_flight: &Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Vec<Answer> {
+        let agent = agent.to_owned();
         if &*frame.channel != CHANNEL {
             self.stats.bad_messages += 1;
             tracing::debug!(%peer, channel = %frame.channel, "frame on another channel ignored");
@@ -339,7 +511,7 @@ impl Service {
             Message::SchemaCatalogRequest(req) => vec![Answer::Reply(Bytes::from(
                 Message::SchemaCatalogResponse(wire::contracts::answer(&req)).encode(),
             ))],
-            Message::DocumentPutRaw(put) => self.request(&agent, &put.document),
+            Message::DocumentPutRaw(put) => self.request(&agent, &put.document, in_flight),
             Message::DocumentPut(put) => {
                 self.stats.bad_messages += 1;
                 vec![error(format!(
@@ -357,7 +529,12 @@ impl Service {
         }
     }
 
-    fn request(&mut self, agent: &str, doc: &RawDocument) -> Vec<Answer> {
+    fn request(
+        &mut self,
+        agent: &str,
+        doc: &RawDocument,
+        in_flight: &Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Vec<Answer> {
         let key = doc.record_key.clone();
         let req = match Request::from_document(doc) {
             Ok(r) => r,
@@ -370,6 +547,14 @@ impl Service {
             self.stats.rejected += 1;
             tracing::warn!(%agent, record = %key, "request refused: {why}");
             return vec![self.refusal(&req, &key, why)];
+        }
+        let running = in_flight.load(Ordering::Relaxed);
+        if matches!(req, Request::Send(_) | Request::Control(_))
+            && running >= self.limits.max_in_flight
+        {
+            self.stats.limited += 1;
+            let why = format!("{running} of your requests are in flight; retry later");
+            return vec![self.refusal_with(&req, &key, why, Status::Failed)];
         }
         self.stats.requests += 1;
         match req {
@@ -415,6 +600,7 @@ impl Service {
                     record_key: key,
                     request: r,
                     mouth,
+                    slot: InFlight::take(in_flight),
                 }]
             }
             Request::Turn(r) => {
@@ -456,7 +642,7 @@ impl Service {
                 vec![self.receipt(ids::STATUS, &key, &status)]
             }
             Request::Note(r) => self.note(&key, r),
-            Request::Control(r) => self.control(&key, r),
+            Request::Control(r) => self.control(&key, r, in_flight),
             Request::ExtensionPending(r) => self.extension_page(&key, r),
             Request::ExtensionAck(r) => self.extension_ack(&key, r),
             _ => vec![error(format!("request {key:?}: not supported"))],
@@ -472,19 +658,27 @@ impl Service {
             .and_then(|p| p.deliveries.into_iter().next())
             .filter(|d| d.seq == r.through_seq);
         let port = self.ports.get(&r.persona);
-        match self.inbox.ack(&r.persona, r.through_seq) {
-            Ok(c) => {
-                let mut out = vec![self.receipt(
-                    ids::ACK_RECEIPT,
-                    key,
-                    &AckReceipt {
+        match self.inbox.ack_unflushed(&r.persona, r.through_seq) {
+            Ok((c, changed)) => {
+                // Group commit: the receipt waits for the loop's one flush for all acks.
+                self.unflushed |= changed;
+                let receipt = |status, error| {
+                    let r = AckReceipt {
                         persona: r.persona.clone(),
-                        status: Status::Ok,
+                        status,
                         through_seq: c.acked_through,
                         pending_count: c.pending,
-                        error: None,
-                    },
-                )];
+                        error,
+                    };
+                    receipt_bytes(&self.runtime_id, ids::ACK_RECEIPT, key, &r)
+                };
+                let mut out = vec![Answer::AfterFlush {
+                    ok: receipt(Status::Ok, None),
+                    failed: receipt(
+                        Status::Failed,
+                        Some("the inbox could not write the ack to disk (see the gateway's log); retry".into()),
+                    ),
+                }];
                 if let Some(port) = port {
                     port.signals.acked.notify_one();
                     if let (Some(mouth), Some(d)) = (port.mouth.clone(), last) {
@@ -552,13 +746,19 @@ impl Service {
     }
 
     fn refusal(&self, req: &Request, key: &str, why: String) -> Answer {
+        self.refusal_with(req, key, why, Status::Rejected)
+    }
+
+    /// The receipt of a request not carried out, with `status` (`rejected`: not allowed;
+    /// `failed`: retry later), or an error for requests whose answers carry no status.
+    fn refusal_with(&self, req: &Request, key: &str, why: String, status: Status) -> Answer {
         match req {
             Request::Ack(r) => self.receipt(
                 ids::ACK_RECEIPT,
                 key,
                 &AckReceipt {
                     persona: r.persona.clone(),
-                    status: Status::Rejected,
+                    status,
                     through_seq: r.through_seq,
                     pending_count: 0,
                     error: Some(why),
@@ -569,7 +769,7 @@ impl Service {
                 key,
                 &SendReceipt {
                     request_id: r.request_id.clone(),
-                    status: Status::Rejected,
+                    status,
                     error: Some(why),
                     ..SendReceipt::default()
                 },
@@ -579,7 +779,7 @@ impl Service {
                 key,
                 &TurnReceipt {
                     persona: r.persona.clone(),
-                    status: Status::Rejected,
+                    status,
                     error: Some(why),
                     ..TurnReceipt::default()
                 },
@@ -590,7 +790,7 @@ impl Service {
                 &NoteReceipt {
                     persona: r.persona.clone(),
                     note_id: r.note_id.clone(),
-                    status: Status::Rejected,
+                    status,
                     error: Some(why),
                     ..NoteReceipt::default()
                 },
@@ -601,7 +801,7 @@ impl Service {
                 &ControlReceipt {
                     persona: r.persona.clone(),
                     action: r.action,
-                    status: Status::Rejected,
+                    status,
                     error: Some(why),
                     ..ControlReceipt::default()
                 },
@@ -611,7 +811,7 @@ impl Service {
                 key,
                 &ExtensionAckReceipt {
                     persona: r.persona.clone(),
-                    status: Status::Rejected,
+                    status,
                     through_seq: r.through_seq,
                     error: Some(why),
                     ..ExtensionAckReceipt::default()
@@ -661,7 +861,12 @@ impl Service {
     }
 
     /// A session verb: queued for her turn loop, answered once applied.
-    fn control(&mut self, key: &str, r: wire::docs::ControlRequest) -> Vec<Answer> {
+    fn control(
+        &mut self,
+        key: &str,
+        r: wire::docs::ControlRequest,
+        in_flight: &Arc<std::sync::atomic::AtomicUsize>,
+    ) -> Vec<Answer> {
         let Some(controls) = self.ports.get(&r.persona).and_then(|p| p.controls.clone()) else {
             let why = "her session is off (mouth-only): there is no session to act on".to_owned();
             return vec![self.refusal(&Request::Control(r), key, why)];
@@ -682,6 +887,7 @@ impl Service {
                 record_key: key.to_owned(),
                 request: r,
                 receipt: rx,
+                slot: InFlight::take(in_flight),
             }],
             Err(mpsc::error::TrySendError::Full(_)) => {
                 let receipt = failed("her session has too many verbs waiting; retry later");
@@ -952,6 +1158,9 @@ pub async fn serve_with(
     serve_updating(service, endpoint, events, remote, None, stop).await;
 }
 
+/// Events the loop takes in one batch at most (their acks share one flush).
+const BATCH: usize = 256;
+
 /// [`serve_with`], taking [`Update`]s (a reloaded config) while it runs.
 pub async fn serve_updating(
     mut service: Service,
@@ -961,9 +1170,14 @@ pub async fn serve_updating(
     mut updates: Option<mpsc::Receiver<Update>>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let tasks = service
+        .tasks
+        .clone()
+        .unwrap_or_else(tokio::runtime::Handle::current);
     let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
     let mut quic: HashMap<SocketAddr, mpsc::Sender<Bytes>> = HashMap::new();
-    loop {
+    let mut out: Vec<(Sink, Answer)> = Vec::new();
+    'serve: loop {
         let from_quic = async {
             match remote.as_mut() {
                 Some(rx) => rx.recv().await,
@@ -976,8 +1190,13 @@ pub async fn serve_updating(
                 None => std::future::pending().await,
             }
         };
-        let event = tokio::select! {
-            e = events.recv() => e,
+        tokio::select! {
+            e = events.recv() => {
+                let Some(e) = e else { break };
+                if !endpoint_event(&mut service, &endpoint, e, &mut out).await {
+                    break;
+                }
+            }
             u = update => {
                 match u {
                     Some(u) => service.update(u),
@@ -987,42 +1206,43 @@ pub async fn serve_updating(
             }
             r = from_quic => {
                 match r {
-                    Some(r) => remote_event(&mut service, &mut quic, &sends, r).await,
+                    Some(r) => remote_event(&mut service, &mut quic, r, &mut out),
                     None => remote = None,
                 }
-                continue;
             }
             _ = stop.changed() => break,
         };
-        let Some(event) = event else { break };
-        let EndpointEvent::Hub(event) = event else {
-            if let EndpointEvent::SendFailed { peer, error } = event {
-                tracing::warn!(%peer, "answer not sent: {error}");
-            }
-            continue;
-        };
-        match event {
-            HubEvent::ConnectRequest { peer, payload } => {
-                let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-                let r = match service.authenticate(peer, &payload, now) {
-                    Ok(_) => endpoint.accept(peer).await,
-                    Err(why) => endpoint.refuse(peer, &why.to_string()).await,
-                };
-                if r.is_err() {
-                    break;
+        // Whatever else is waiting joins this batch: its acks share one flush.
+        for _ in 0..BATCH {
+            match events.try_recv() {
+                Ok(e) => {
+                    if !endpoint_event(&mut service, &endpoint, e, &mut out).await {
+                        break 'serve;
+                    }
                 }
+                Err(_) => break,
             }
-            HubEvent::Frame { peer, frame } => {
-                let sink = Sink::Rudp(endpoint.clone(), peer);
-                for answer in service.handle(peer, &frame) {
-                    run_answer(&service.runtime_id, &sink, &sends, answer).await;
-                }
+        }
+        if let Some(rx) = remote.as_mut() {
+            for _ in 0..BATCH {
+                let Ok(r) = rx.try_recv() else { break };
+                remote_event(&mut service, &mut quic, r, &mut out);
             }
-            HubEvent::Disconnected { peer, reason } => {
-                tracing::debug!(%peer, ?reason, "CultNet session ended");
-                service.forget(peer);
-            }
-            HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
+        }
+        let flushed = service.commit();
+        if let Err(e) = &flushed {
+            tracing::error!("CultNet: the inbox could not flush acks: {e}");
+        }
+        for (sink, answer) in out.drain(..) {
+            run_answer(
+                &service.runtime_id,
+                &tasks,
+                &sink,
+                &sends,
+                answer,
+                flushed.is_ok(),
+            )
+            .await;
         }
     }
     // Clients learn why their session ends (RUDP; QUIC connections close with the endpoint).
@@ -1034,23 +1254,73 @@ pub async fn serve_updating(
     let _ = endpoint.shutdown().await;
 }
 
-async fn remote_event(
+/// Takes one endpoint event; false when the endpoint is gone.
+async fn endpoint_event(
+    service: &mut Service,
+    endpoint: &EndpointHandle,
+    event: EndpointEvent,
+    out: &mut Vec<(Sink, Answer)>,
+) -> bool {
+    let event = match event {
+        EndpointEvent::Hub(e) => e,
+        EndpointEvent::SendFailed { peer, error } => {
+            if matches!(error, wire::error::SendError::QueueFull { .. })
+                && service.peers.contains_key(&peer)
+            {
+                // A client that does not read its answers holds our memory: cut it off.
+                service.stats.cut_off += 1;
+                tracing::warn!(%peer, "CultNet client cut off: it does not read its answers");
+                service.forget(peer);
+                return endpoint
+                    .disconnect(peer, "too many answers unread (send queue full)")
+                    .await
+                    .is_ok();
+            }
+            tracing::warn!(%peer, "answer not sent: {error}");
+            return true;
+        }
+    };
+    match event {
+        HubEvent::ConnectRequest { peer, payload } => {
+            let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+            let r = match service.authenticate(peer, &payload, now) {
+                Ok(_) => endpoint.accept(peer).await,
+                Err(why) => endpoint.refuse(peer, &why.to_string()).await,
+            };
+            return r.is_ok();
+        }
+        HubEvent::Frame { peer, frame } => {
+            let sink = Sink::Rudp(endpoint.clone(), peer);
+            for answer in service.handle(peer, &frame) {
+                out.push((sink.clone(), answer));
+            }
+        }
+        HubEvent::Disconnected { peer, reason } => {
+            tracing::debug!(%peer, ?reason, "CultNet session ended");
+            service.forget(peer);
+        }
+        HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
+    }
+    true
+}
+
+fn remote_event(
     service: &mut Service,
     quic: &mut HashMap<SocketAddr, mpsc::Sender<Bytes>>,
-    sends: &Arc<tokio::sync::Semaphore>,
     event: Remote,
+    out: &mut Vec<(Sink, Answer)>,
 ) {
     match event {
         Remote::Connect {
             peer,
             payload,
-            out,
+            out: answers,
             verdict,
         } => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
             match service.authenticate(peer, &payload, now) {
                 Ok(_) => {
-                    quic.insert(peer, out);
+                    quic.insert(peer, answers);
                     let _ = verdict.send(Ok(()));
                 }
                 Err(why) => {
@@ -1059,14 +1329,18 @@ async fn remote_event(
             }
         }
         Remote::Frame { peer, payload } => {
-            let Some(out) = quic.get(&peer) else { return };
-            let sink = Sink::Quic(out.clone());
+            let Some(tx) = quic.get(&peer) else { return };
+            let sink = Sink::Quic(tx.clone());
             let frame = Frame {
                 channel: Arc::from(CHANNEL),
                 payload,
             };
             for answer in service.handle(peer, &frame) {
-                run_answer(&service.runtime_id, &sink, sends, answer).await;
+                if matches!(answer, Answer::Disconnect(_)) {
+                    // Dropping its sender ends its writer, which closes the connection.
+                    quic.remove(&peer);
+                }
+                out.push((sink.clone(), answer));
             }
         }
         Remote::Gone { peer } => {
@@ -1078,16 +1352,26 @@ async fn remote_event(
 
 async fn run_answer(
     runtime_id: &str,
+    tasks: &tokio::runtime::Handle,
     sink: &Sink,
     sends: &Arc<tokio::sync::Semaphore>,
     answer: Answer,
+    flushed: bool,
 ) {
     match answer {
         Answer::Reply(bytes) => sink.send(bytes).await,
+        Answer::AfterFlush { ok, failed } => sink.send(if flushed { ok } else { failed }).await,
+        Answer::Disconnect(reason) => match sink {
+            Sink::Rudp(endpoint, peer) => {
+                let _ = endpoint.disconnect(*peer, &reason).await;
+            }
+            Sink::Quic(_) => {} // Its sender was dropped with the peer.
+        },
         Answer::Send {
             record_key,
             request,
             mouth,
+            slot,
         } => {
             let Ok(permit) = sends.clone().try_acquire_owned() else {
                 // Back-pressure instead of an unbounded pile of tasks; `failed` = retry later.
@@ -1105,9 +1389,10 @@ async fn run_answer(
             };
             let sink = sink.clone();
             let runtime_id = runtime_id.to_owned();
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 let receipt = mouth.send(&request).await;
                 drop(permit);
+                drop(slot);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
                 sink.send(bytes).await;
             });
@@ -1116,10 +1401,11 @@ async fn run_answer(
             record_key,
             request,
             receipt,
+            slot,
         } => {
             let sink = sink.clone();
             let runtime_id = runtime_id.to_owned();
-            tokio::spawn(async move {
+            tasks.spawn(async move {
                 let receipt = receipt.await.unwrap_or_else(|_| ControlReceipt {
                     persona: request.persona,
                     action: request.action,
@@ -1127,6 +1413,7 @@ async fn run_answer(
                     error: Some("her turn loop stopped before applying it".into()),
                     ..ControlReceipt::default()
                 });
+                drop(slot);
                 let bytes = receipt_bytes(&runtime_id, ids::CONTROL_RECEIPT, &record_key, &receipt);
                 sink.send(bytes).await;
             });
@@ -1136,9 +1423,90 @@ async fn run_answer(
             room_id,
             event_id,
         } => {
-            tokio::spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
+            tasks.spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
         }
     }
+}
+
+/// The settings of the hub under the service: the per-client memory a client can make the
+/// gateway hold (its send queue, its half-received requests), kept well below the protocol's
+/// defaults, which are sized for media peers.
+pub fn hub_config() -> wire::hub::HubConfig {
+    let mut cfg = wire::hub::HubConfig::default();
+    // A page is at most MAX_REPLY_BYTES; requests are far smaller (a note is 16 KiB at most).
+    cfg.session.max_payload = MAX_REPLY_BYTES as usize + 64 * 1024;
+    cfg.session.max_reassembly_bytes = cfg.session.max_payload + 64 * 1024;
+    cfg.session.max_held_bytes = 1024 * 1024;
+    cfg.session.max_queued_bytes = 2 * MAX_REPLY_BYTES as usize;
+    cfg
+}
+
+/// The running service: its endpoint's address, and a way to wait for its end.
+#[derive(Debug)]
+pub struct Started {
+    /// The endpoint (its address; commands such as stats).
+    pub endpoint: EndpointHandle,
+    /// Told when the service thread ends.
+    pub done: tokio::sync::oneshot::Receiver<()>,
+}
+
+/// Starts the endpoint on `bind` and the service loop on a thread of their own (see the module
+/// docs); sends, verbs and read receipts run on the calling runtime. Stops when `stop` turns
+/// true.
+pub async fn start(
+    bind: SocketAddr,
+    seed: u64,
+    service: Service,
+    remote: Option<mpsc::Receiver<Remote>>,
+    updates: Option<mpsc::Receiver<Update>>,
+    stop: watch::Receiver<bool>,
+) -> Result<Started, crate::endpoint::EndpointError> {
+    let service = service.with_tasks(tokio::runtime::Handle::current());
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let (done_tx, done) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("cultnet-service".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(crate::endpoint::EndpointError::Bind {
+                        addr: bind,
+                        source: e,
+                    }));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let mut cfg = crate::endpoint::EndpointConfig::new(bind, seed);
+                cfg.hub = hub_config();
+                match crate::endpoint::spawn(cfg).await {
+                    Ok((endpoint, events, task)) => {
+                        let _ = ready_tx.send(Ok(endpoint.clone()));
+                        serve_updating(service, endpoint, events, remote, updates, stop).await;
+                        // The endpoint sends its goodbyes before the thread's runtime ends.
+                        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            });
+            let _ = done_tx.send(());
+        });
+    if let Err(e) = thread {
+        return Err(crate::endpoint::EndpointError::Bind {
+            addr: bind,
+            source: e,
+        });
+    }
+    let endpoint = ready_rx
+        .await
+        .map_err(|_| crate::endpoint::EndpointError::Stopped)??;
+    Ok(Started { endpoint, done })
 }
 
 #[cfg(test)]

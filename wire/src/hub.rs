@@ -11,9 +11,14 @@
 //! - A retransmitted Connect (same sequence and payload) is answered with the same Accept bytes,
 //!   or an Ack once the Accept was acknowledged; a Connect with a new payload or sequence
 //!   replaces the session ([`HubEvent::Disconnected`] with `Replaced`, then a new request).
-//! - At most `max_peers` sessions plus pending requests; further Connects get a Disconnect.
+//! - Admission has two quotas. At most `max_peers` sessions: a Connect beyond them gets a
+//!   Disconnect (`server full`). Apart from those, at most `max_pending` Connects wait for the
+//!   owner's answer, each for at most `pending_timeout`; when that quota is full the OLDEST
+//!   waiting Connect is dropped (silently, counted) to make room. So Connects sprayed from many
+//!   addresses can neither take session slots nor hold the waiting room: a real client's
+//!   Connect always gets in, and a dropped one is resent by its client.
 //! - Each session bounds its own memory (see [`SessionConfig`]), so the hub's memory is bounded
-//!   by `max_peers` times that whatever arrives.
+//!   by `max_peers` times that plus `max_pending` Connect payloads, whatever arrives.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -30,8 +35,13 @@ use crate::session::{Frame, Role, Session, SessionConfig, SessionEvent, SessionS
 pub struct HubConfig {
     /// Applied to every session.
     pub session: SessionConfig,
-    /// Sessions plus pending Connect requests, at most.
+    /// Sessions (accepted peers), at most.
     pub max_peers: usize,
+    /// Connects waiting for the owner's answer, at most (separate from `max_peers`); when full,
+    /// the oldest waiting one is dropped for the newcomer.
+    pub max_pending: usize,
+    /// A Connect the owner has not answered within this is forgotten.
+    pub pending_timeout: std::time::Duration,
     /// Raw answers (refusals) waiting to go out, at most; more are dropped.
     pub max_raw_queue: usize,
 }
@@ -41,6 +51,8 @@ impl Default for HubConfig {
         Self {
             session: SessionConfig::default(),
             max_peers: 256,
+            max_pending: 64,
+            pending_timeout: std::time::Duration::from_secs(2),
             max_raw_queue: 256,
         }
     }
@@ -102,8 +114,10 @@ pub struct HubStats {
     pub replaced: u64,
     /// Refusals dropped because the raw queue was full.
     pub raw_dropped: u64,
-    /// Connects forgotten because the owner did not answer within the connect timeout.
+    /// Connects forgotten because the owner did not answer within the pending timeout.
     pub unanswered_connects: u64,
+    /// Waiting Connects dropped to make room for a newer one (the pending quota was full).
+    pub pending_evicted: u64,
     /// Summed session counters.
     pub sessions: SessionStats,
 }
@@ -181,6 +195,11 @@ impl Hub {
     /// Number of sessions (any state).
     pub fn peer_count(&self) -> usize {
         self.peers.len()
+    }
+
+    /// Number of Connects waiting for the owner's answer.
+    pub fn pending_count(&self) -> usize {
+        self.pending.len()
     }
 
     /// The session for `peer`, to read its state.
@@ -291,9 +310,9 @@ impl Hub {
     }
 
     /// Runs every session's timers, and forgets Connects the owner left unanswered for longer
-    /// than the connect timeout (so they cannot hold peer slots).
+    /// than the pending timeout (so they cannot hold the waiting room).
     pub fn handle_timeout(&mut self, now: Instant) {
-        let limit = self.cfg.session.connect_timeout;
+        let limit = self.cfg.pending_timeout;
         let before = self.pending.len();
         self.pending.retain(|_, p| now < p.at + limit);
         self.stats.unanswered_connects += (before - self.pending.len()) as u64;
@@ -343,7 +362,7 @@ impl Hub {
 
     /// The earliest session timer (or pending-Connect expiry).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let limit = self.cfg.session.connect_timeout;
+        let limit = self.cfg.pending_timeout;
         let sessions = self.peers.values().filter_map(|e| e.session.poll_timeout());
         let pending = self.pending.values().map(|p| p.at + limit);
         sessions.chain(pending).min()
@@ -379,10 +398,23 @@ impl Hub {
             }
             self.pending.remove(&from);
         }
-        if self.peers.len() + self.pending.len() >= self.cfg.max_peers {
+        if self.peers.len() >= self.cfg.max_peers {
             self.stats.peers_full += 1;
             self.push_raw(from, PacketType::Disconnect, b"server full");
             return;
+        }
+        if self.pending.len() >= self.cfg.max_pending.max(1) {
+            // The oldest waiter makes room: a flood cannot hold the waiting room, and a real
+            // client whose Connect was dropped resends it.
+            let oldest = self
+                .pending
+                .iter()
+                .min_by_key(|(_, p)| p.at)
+                .map(|(a, _)| *a);
+            if let Some(oldest) = oldest {
+                self.pending.remove(&oldest);
+                self.stats.pending_evicted += 1;
+            }
         }
         let payload = Bytes::copy_from_slice(p.payload);
         self.pending.insert(

@@ -478,6 +478,17 @@ impl FrameDecoder {
         }
     }
 
+    /// Changes the largest frame accepted from now on (a stream may start small, before its
+    /// peer is authenticated, and grow after).
+    pub fn set_max(&mut self, max: usize) {
+        self.max = max;
+    }
+
+    /// Bytes received and not yet returned as frames.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Appends received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);

@@ -14,7 +14,6 @@ use anyhow::Context as _;
 use gateway::client;
 use gateway::config::{Config, Persona, SessionMode};
 use gateway::ear::{self, Ear, EarStats, Signals};
-use gateway::endpoint::{self, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::mouth::Mouth;
 use gateway::service::{self, Port, Service};
@@ -106,12 +105,65 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("opening the inbox {}", inbox_path.display()))?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
-    let (endpoint, events, _) =
-        endpoint::spawn(EndpointConfig::new(cfg.cultnet.bind, client::rand_seed()))
-            .await
-            .context("starting the CultNet endpoint")?;
+    // The service (its socket and loop on their own thread) starts first, knowing every
+    // Persona as starting: clients may read and acknowledge her inbox at once, and learn that
+    // she is starting when they ask for more. Her handles follow once she runs.
+    let runtime_id = format!("cultnet-gateway-{}", uuid::Uuid::new_v4());
+    let starting: BTreeMap<String, Port> = cfg
+        .personas
+        .iter()
+        .map(|p| {
+            let port = Port {
+                failed: Some("starting".into()),
+                ..Port::new(&p.user_id, p.limits.max_pending)
+            };
+            (p.id.clone(), port)
+        })
+        .collect();
+    let service = Service::new(
+        &runtime_id,
+        wire::session::GATEWAY_CONNECTION_ID,
+        cfg.cultnet.max_skew_secs,
+        inbox.clone(),
+        &cfg.cultnet.clients,
+        starting,
+    )
+    .with_limits(cfg.cultnet.limits());
+    let remote = match &cfg.cultnet.quic {
+        Some(q) => {
+            let identity = gateway::quic::identity(
+                q.cert_file.as_deref(),
+                q.key_file.as_deref(),
+                &cfg.state_dir,
+            )
+            .context("the QUIC certificate")?;
+            let fingerprint = identity.fingerprint();
+            let quic = gateway::quic::server(q.bind, identity).context("starting QUIC")?;
+            let addr = quic.local_addr().context("the QUIC address")?;
+            tracing::info!(%addr, sha256 = %fingerprint, "CultNet over QUIC for remote peers");
+            let (tx, rx) = tokio::sync::mpsc::channel(1024);
+            tasks.spawn(gateway::quic::accept(quic, tx, stop_rx.clone()));
+            Some(rx)
+        }
+        None => None,
+    };
+    let (updates, updates_rx) = tokio::sync::mpsc::channel(4);
+    let started = service::start(
+        cfg.cultnet.bind,
+        client::rand_seed(),
+        service,
+        remote,
+        Some(updates_rx),
+        stop_rx.clone(),
+    )
+    .await
+    .context("starting the CultNet service")?;
+    let endpoint = started.endpoint.clone();
     let cultnet = endpoint.local_addr();
-    // The metrics listener comes up first: /readyz says who has not synced yet.
+    tasks.spawn(async move {
+        let _ = started.done.await;
+    });
+    // The metrics listener comes up before the Personas: /readyz says who has not synced yet.
     let shared: gateway::metrics::Ports = Arc::default();
     if let Some(m) = &cfg.metrics {
         let ids = cfg.personas.iter().map(|p| p.id.clone()).collect();
@@ -140,42 +192,15 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
-    let runtime_id = format!("cultnet-gateway-{}", uuid::Uuid::new_v4());
-    let service = Service::new(
-        &runtime_id,
-        wire::session::GATEWAY_CONNECTION_ID,
-        cfg.cultnet.max_skew_secs,
-        inbox.clone(),
-        &cfg.cultnet.clients,
-        ports(&running),
-    );
-    let remote = match &cfg.cultnet.quic {
-        Some(q) => {
-            let identity = gateway::quic::identity(
-                q.cert_file.as_deref(),
-                q.key_file.as_deref(),
-                &cfg.state_dir,
-            )
-            .context("the QUIC certificate")?;
-            let fingerprint = identity.fingerprint();
-            let quic = gateway::quic::server(q.bind, identity).context("starting QUIC")?;
-            let addr = quic.local_addr().context("the QUIC address")?;
-            tracing::info!(%addr, sha256 = %fingerprint, "CultNet over QUIC for remote peers");
-            let (tx, rx) = tokio::sync::mpsc::channel(1024);
-            tasks.spawn(gateway::quic::accept(quic, tx, stop_rx.clone()));
-            Some(rx)
-        }
-        None => None,
+    let (tx, applied) = tokio::sync::oneshot::channel();
+    let update = service::Update {
+        clients: cfg.cultnet.clients.clone(),
+        ports: ports(&running),
+        applied: Some(tx),
     };
-    let (updates, updates_rx) = tokio::sync::mpsc::channel(4);
-    tasks.spawn(service::serve_updating(
-        service,
-        endpoint,
-        events,
-        remote,
-        Some(updates_rx),
-        stop_rx.clone(),
-    ));
+    if updates.send(update).await.is_ok() {
+        let _ = applied.await;
+    }
     tracing::info!(personas = started, %cultnet, clients = cfg.cultnet.clients.len(), "gateway running");
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
@@ -230,12 +255,16 @@ async fn reload(
         || new.cultnet.bind != old.cultnet.bind
         || new.cultnet.quic != old.cultnet.quic
         || new.metrics != old.metrics
+        || new.cultnet.limits() != old.cultnet.limits()
     {
-        tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic and metrics take effect at the next restart");
+        tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic, the clients' limits and metrics take effect at the next restart");
         new.state_dir = old.state_dir.clone();
         new.cultnet.bind = old.cultnet.bind;
         new.cultnet.quic = old.cultnet.quic.clone();
         new.metrics = old.metrics.clone();
+        new.cultnet.requests_per_sec = old.cultnet.requests_per_sec;
+        new.cultnet.request_burst = old.cultnet.request_burst;
+        new.cultnet.max_in_flight = old.cultnet.max_in_flight;
     }
     let apply = |running: &BTreeMap<String, Running>, clients: &[gateway::config::Client]| {
         let (tx, rx) = tokio::sync::oneshot::channel();

@@ -116,7 +116,9 @@ fn put<T: Serialize>(schema: &str, record_key: &str, payload: &T) -> Frame {
 
 fn reply(answers: &[Answer]) -> Message {
     match answers.first() {
-        Some(Answer::Reply(b)) => Message::decode(b).unwrap(),
+        Some(Answer::Reply(b)) | Some(Answer::AfterFlush { ok: b, .. }) => {
+            Message::decode(b).unwrap()
+        }
         other => panic!("expected a reply, got {other:?}"),
     }
 }
@@ -532,4 +534,115 @@ fn session_verbs_reach_only_a_live_session() {
     );
     assert_eq!(r.status, Status::Failed);
     assert!(r.error.unwrap().contains("retry later"));
+}
+
+#[test]
+fn a_client_over_its_rate_is_answered_failed_then_cut_off_and_others_go_on() {
+    let mut f = fixture("rate");
+    f.svc.limits = ClientLimits {
+        requests_per_sec: 10.0,
+        burst: 3.0,
+        max_in_flight: 16,
+    };
+    connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
+    connect(&mut f.svc, peer(2), "heartbeat", 2, "n2").unwrap();
+    let t0 = std::time::Instant::now();
+    let ack = |seq| AckRequest {
+        persona: "mira".into(),
+        through_seq: seq,
+    };
+    let status = put(ids::STATUS_REQUEST, "s", &StatusRequest::default());
+    for i in 0..3 {
+        let answers = f.svc.handle_at(
+            peer(1),
+            &put(ids::ACK_REQUEST, &format!("a{i}"), &ack(0)),
+            t0,
+        );
+        let (_, _, r): (_, _, AckReceipt) = receipt(&answers);
+        assert_eq!(r.status, Status::Ok);
+    }
+    // The fourth at once is over the burst: failed, retry later, under its own record key.
+    let answers = f
+        .svc
+        .handle_at(peer(1), &put(ids::ACK_REQUEST, "a3", &ack(0)), t0);
+    let (_, key, r): (_, _, AckReceipt) = receipt(&answers);
+    assert_eq!((key.as_str(), r.status), ("a3", Status::Failed));
+    assert!(r.error.unwrap().contains("retry later"));
+    // A request without a status field gets an error naming the limit.
+    assert!(error_text(&f.svc.handle_at(peer(1), &status, t0)).contains("rate limit"));
+    // The other client is not affected.
+    let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle_at(peer(2), &status, t0));
+    assert_eq!(s.personas.len(), 2);
+    // Going on for a whole burst after being told ends the session, with the reason.
+    let answers = f.svc.handle_at(peer(1), &status, t0);
+    assert!(error_text(&answers).contains("rate limit"));
+    let answers = f.svc.handle_at(peer(1), &status, t0);
+    assert!(
+        matches!(&answers[..], [Answer::Disconnect(why)] if why.contains("rate limit")),
+        "{answers:?}"
+    );
+    assert_eq!((f.svc.stats().limited, f.svc.stats().cut_off), (3, 1));
+    assert!(
+        f.svc.handle_at(peer(1), &status, t0).is_empty(),
+        "forgotten"
+    );
+    // 100 ms later the bucket has refilled for the other client too.
+    let later = t0 + std::time::Duration::from_millis(100);
+    let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle_at(peer(2), &status, later));
+    assert_eq!(s.personas.len(), 2);
+}
+
+#[test]
+fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
+    use wire::docs::{ControlAction, ControlReceipt, ControlRequest};
+    let mut f = fixture("group");
+    f.svc.limits.max_in_flight = 1;
+    f.inbox
+        .ingest("mira", "t1", &[d("$1"), d("$2"), d("$3")])
+        .unwrap();
+    connect(&mut f.svc, peer(1), "organ", 1, "n").unwrap();
+    for seq in 1..=3 {
+        let ack = AckRequest {
+            persona: "mira".into(),
+            through_seq: seq,
+        };
+        let answers = f
+            .svc
+            .handle(peer(1), &put(ids::ACK_REQUEST, &format!("a{seq}"), &ack));
+        assert!(
+            matches!(answers[0], Answer::AfterFlush { .. }),
+            "{answers:?}"
+        );
+    }
+    assert_eq!(f.inbox.counts("mira").unwrap().acked_through, 3);
+    f.svc.commit().unwrap();
+    f.svc.commit().unwrap();
+    assert_eq!(
+        f.svc.stats().flushes,
+        1,
+        "three acks, one flush; nothing new, none"
+    );
+    // In flight: one verb queued holds the client's only slot until its answer is dropped.
+    let (tx, _rx) = mpsc::channel(8);
+    f.svc.ports.get_mut("mira").unwrap().controls = Some(tx);
+    let req = ControlRequest {
+        persona: "mira".into(),
+        action: ControlAction::Compact,
+        model: None,
+    };
+    let first = f
+        .svc
+        .handle(peer(1), &put(ids::CONTROL_REQUEST, "c1", &req));
+    assert!(matches!(&first[..], [Answer::Control { .. }]));
+    let (_, _, r): (_, _, ControlReceipt) = receipt(
+        &f.svc
+            .handle(peer(1), &put(ids::CONTROL_REQUEST, "c2", &req)),
+    );
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.error.unwrap().contains("in flight"));
+    drop(first);
+    let third = f
+        .svc
+        .handle(peer(1), &put(ids::CONTROL_REQUEST, "c3", &req));
+    assert!(matches!(&third[..], [Answer::Control { .. }]));
 }

@@ -109,6 +109,7 @@ proptest! {
             pair.b.hub.handle(pair.now, from, &dgram);
             pair.flush();
             prop_assert!(pair.b.hub.peer_count() <= cfg.max_peers);
+            prop_assert!(pair.b.hub.pending_count() <= cfg.max_pending);
             for peer in pair.b.hub.peers().collect::<Vec<_>>() {
                 let s = pair.b.hub.session(peer).unwrap();
                 prop_assert!(s.receive_buffered_bytes()

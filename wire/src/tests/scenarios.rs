@@ -636,27 +636,92 @@ fn frame_arriving_for_a_skipped_hole_is_delivered_late_not_dropped() {
 #[test]
 fn unanswered_connects_expire_and_free_their_slot() {
     let mut c = cfg();
-    c.max_peers = 1;
+    c.max_pending = 1;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
+    assert_eq!(hub.pending_count(), 1);
+    let later = hub.poll_timeout().expect("pending connect has no deadline");
+    assert_eq!(later, now + Duration::from_secs(2));
+    hub.handle_timeout(later);
+    assert_eq!(hub.stats().unanswered_connects, 1);
+    assert_eq!(hub.pending_count(), 0);
+    assert_eq!(
+        hub.accept(later, first),
+        Err(crate::hub::HubError::NoPendingConnect(first))
+    );
+}
+
+#[test]
+fn a_full_waiting_room_drops_its_oldest_connect_not_the_newcomer() {
+    let mut c = cfg();
+    c.max_pending = 1;
     let mut hub = Hub::new(c, 3);
     let now = std::time::Instant::now();
     let conn = hub.config().session.connection_id;
     let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let second: SocketAddr = "127.0.0.1:2".parse().unwrap();
     hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
-    hub.handle(now, second, &connect_bytes(conn, 1, b"y"));
-    assert_eq!(hub.stats().peers_full, 1);
-    let later = hub.poll_timeout().expect("pending connect has no deadline");
-    assert_eq!(later, now + Duration::from_secs(3));
-    hub.handle_timeout(later);
-    assert_eq!(hub.stats().unanswered_connects, 1);
+    hub.handle(
+        now + Duration::from_millis(1),
+        second,
+        &connect_bytes(conn, 1, b"y"),
+    );
     assert_eq!(
-        hub.accept(later, first),
+        (
+            hub.stats().pending_evicted,
+            hub.stats().peers_full,
+            hub.pending_count()
+        ),
+        (1, 0, 1)
+    );
+    assert_eq!(
+        hub.accept(now, first),
         Err(crate::hub::HubError::NoPendingConnect(first))
     );
-    events(&mut hub);
-    hub.handle(later, second, &connect_bytes(conn, 1, b"y"));
-    assert!(matches!(
-        events(&mut hub)[..],
-        [HubEvent::ConnectRequest { .. }]
-    ));
+    hub.accept(now, second).expect("the newcomer waits");
+    assert_eq!(hub.peer_count(), 1);
+}
+
+/// Connects sprayed from 500 loopback addresses never take a session slot nor keep a real
+/// client out: interleaved with the flood, its Connect is still waiting when the (lagging) owner
+/// answers.
+#[test]
+fn connect_spray_from_many_addresses_does_not_lock_out_a_client() {
+    let mut c = cfg();
+    c.max_peers = 4;
+    c.max_pending = 16;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let real: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+    for i in 0..500u32 {
+        let from = SocketAddr::from(([127, 0, (i / 250) as u8 + 1, (i % 250) as u8 + 1], 9));
+        hub.handle(now, from, &connect_bytes(conn, i, b"junk"));
+        if i == 250 {
+            hub.handle(now, real, &connect_bytes(conn, 7, b"real"));
+        }
+        assert!(hub.pending_count() <= 16);
+        if i % 10 != 9 {
+            continue; // The owner lags: it answers every tenth datagram.
+        }
+        // The owner answers what it is asked, in order: junk is refused, the client accepted.
+        for e in events(&mut hub) {
+            if let HubEvent::ConnectRequest { peer, payload } = e {
+                if &payload[..] == b"real" {
+                    hub.accept(now, peer)
+                        .expect("the client's connect was still waiting");
+                } else {
+                    let _ = hub.refuse(peer, "bad credentials");
+                }
+            }
+        }
+        drain(&mut hub, now);
+    }
+    assert_eq!(hub.peer_count(), 1);
+    assert!(hub.session(real).is_some());
+    assert_eq!(hub.stats().peers_full, 0);
+    assert_eq!(hub.stats().refused, 500);
 }

@@ -1,0 +1,176 @@
+//! Per-client limits and a rate-limited refusal log: what keeps one busy, buggy or hostile
+//! client from starving the others. Pure: time is passed in.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+/// What one authenticated client may ask of the service.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClientLimits {
+    /// Requests per second, sustained (a token bucket refilled at this rate).
+    pub requests_per_sec: f64,
+    /// Requests it may make at once above the rate (the bucket's size).
+    pub burst: f64,
+    /// Requests of its own still running (sends waiting for the homeserver, session verbs
+    /// waiting for her turn loop); beyond it a request is answered `failed`.
+    pub max_in_flight: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        Self {
+            requests_per_sec: 10_000.0,
+            burst: 10_000.0,
+            max_in_flight: 16,
+        }
+    }
+}
+
+/// What [`Budget::take`] decided about one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Within its limits.
+    Allow,
+    /// Over its rate: answer `failed`, retry later.
+    Refuse,
+    /// Over its rate for a whole burst more after being told: disconnect it.
+    Disconnect,
+}
+
+/// One client's token bucket.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    tokens: f64,
+    last: Instant,
+    /// Requests refused in a row (reset by one allowed request).
+    refused_in_a_row: u64,
+}
+
+impl Budget {
+    /// A full bucket at `now`.
+    pub fn new(limits: &ClientLimits, now: Instant) -> Self {
+        Self {
+            tokens: limits.burst.max(1.0),
+            last: now,
+            refused_in_a_row: 0,
+        }
+    }
+
+    /// Spends one request at `now`.
+    pub fn take(&mut self, limits: &ClientLimits, now: Instant) -> Verdict {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = self.last.max(now);
+        self.tokens = (self.tokens + dt * limits.requests_per_sec).min(limits.burst.max(1.0));
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            self.refused_in_a_row = 0;
+            return Verdict::Allow;
+        }
+        self.refused_in_a_row += 1;
+        if self.refused_in_a_row as f64 > limits.burst.max(1.0) {
+            Verdict::Disconnect
+        } else {
+            Verdict::Refuse
+        }
+    }
+}
+
+/// Refusal lines per source address, at most one per [`RefusalLog::EVERY`]; and at most
+/// [`RefusalLog::PER_SECOND`] lines a second from everyone together. What is held back is
+/// counted and reported with the next line that is let through.
+#[derive(Debug, Default)]
+pub struct RefusalLog {
+    last: HashMap<IpAddr, Instant>,
+    second: Option<Instant>,
+    in_second: u32,
+    suppressed: u64,
+}
+
+impl RefusalLog {
+    /// One line per address at most this often.
+    pub const EVERY: Duration = Duration::from_secs(10);
+    /// Lines per second from all addresses together, at most.
+    pub const PER_SECOND: u32 = 10;
+    /// Addresses remembered (a spray from more is forgotten wholesale; the global cap holds).
+    const MAX_ADDRESSES: usize = 4096;
+
+    /// Whether a refusal from `ip` at `now` may be logged; `Some(n)` = yes, and `n` refusals
+    /// were held back since the last line.
+    pub fn admit(&mut self, ip: IpAddr, now: Instant) -> Option<u64> {
+        if self.last.get(&ip).is_some_and(|t| now < *t + Self::EVERY) {
+            self.suppressed += 1;
+            return None;
+        }
+        match self.second {
+            Some(s) if now < s + Duration::from_secs(1) => {
+                if self.in_second >= Self::PER_SECOND {
+                    self.suppressed += 1;
+                    return None;
+                }
+            }
+            _ => {
+                self.second = Some(now);
+                self.in_second = 0;
+            }
+        }
+        self.in_second += 1;
+        if self.last.len() >= Self::MAX_ADDRESSES {
+            self.last.clear();
+        }
+        self.last.insert(ip, now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_allows_its_burst_then_its_rate_then_disconnects_a_client_that_ignores_it() {
+        let l = ClientLimits {
+            requests_per_sec: 100.0,
+            burst: 10.0,
+            max_in_flight: 1,
+        };
+        let t0 = Instant::now();
+        let mut b = Budget::new(&l, t0);
+        let allowed = (0..10).filter(|_| b.take(&l, t0) == Verdict::Allow).count();
+        assert_eq!(allowed, 10);
+        assert_eq!(b.take(&l, t0), Verdict::Refuse);
+        // 10 ms later one more token.
+        let t1 = t0 + Duration::from_millis(10);
+        assert_eq!(b.take(&l, t1), Verdict::Allow);
+        assert_eq!(b.take(&l, t1), Verdict::Refuse);
+        // A client that keeps going past a whole burst of refusals is cut off.
+        let verdicts: Vec<_> = (0..11).map(|_| b.take(&l, t1)).collect();
+        assert_eq!(verdicts.last(), Some(&Verdict::Disconnect));
+        assert_eq!(
+            verdicts.iter().filter(|v| **v == Verdict::Refuse).count(),
+            9
+        );
+        // Time heals: after a second the bucket is full again (never more than the burst).
+        let t2 = t1 + Duration::from_secs(5);
+        let allowed = (0..20).filter(|_| b.take(&l, t2) == Verdict::Allow).count();
+        assert_eq!(allowed, 10);
+    }
+
+    #[test]
+    fn refusals_are_logged_once_per_address_and_a_few_a_second_overall() {
+        let mut log = RefusalLog::default();
+        let t0 = Instant::now();
+        let ip = |i: u8| IpAddr::from([127, 0, 0, i]);
+        assert_eq!(log.admit(ip(1), t0), Some(0));
+        assert_eq!(log.admit(ip(1), t0 + Duration::from_secs(1)), None);
+        // 249 addresses in one second: PER_SECOND lines, the first reporting the one line held
+        // back before, the rest counted.
+        let t1 = t0 + Duration::from_secs(2);
+        let logged: Vec<u64> = (2..=250u8).filter_map(|i| log.admit(ip(i), t1)).collect();
+        assert_eq!(logged.len(), RefusalLog::PER_SECOND as usize);
+        assert_eq!(logged[0], 1);
+        // The next line let through reports what was held back since.
+        let t2 = t0 + Duration::from_secs(11);
+        assert_eq!(log.admit(ip(1), t2), Some(249 - 10));
+    }
+}
