@@ -2,7 +2,11 @@
 //! each response stored as one atomic sled batch and flushed (fsync) before it counts, as the ear
 //! does. Prints deliveries/s and the latency from a
 //! sync response to its deliveries being visible (p50, p99), homeserver excluded.
-//! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300).
+//! Then the disk it takes: a million deliveries (10,000 responses of 100, with their timeline
+//! lines), each tenth response acknowledged with everything before it, then the bytes of the
+//! sled files per delivery, before and after a prune of everything past its retention.
+//! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300); `DISK_DELIVERIES=N`
+//! (default 1,000,000; 0 skips).
 
 mod support;
 
@@ -65,6 +69,95 @@ fn main() {
         (responses * 100) as f64 / total.as_secs_f64(),
         us(pct(50)),
         us(pct(99))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    disk(support::env_count("DISK_DELIVERIES", 1_000_000));
+}
+
+fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
+    batch
+        .iter()
+        .map(|d| TimelineLine {
+            room_id: d.room_id.clone(),
+            thread: None,
+            line: ContextLine {
+                event_id: d.event_id.clone(),
+                sender: d.sender.clone(),
+                sender_name: None,
+                ts: 0,
+                text: d.text.clone(),
+            },
+        })
+        .collect()
+}
+
+fn bytes_under(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => bytes_under(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn disk(deliveries: u64) {
+    if deliveries == 0 {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cultnet-inbox-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let inbox = Inbox::open(&dir).expect("open");
+    let start = Instant::now();
+    let responses = deliveries.div_ceil(100);
+    for r in 0..responses {
+        let batch = support::response(r);
+        let lines = lines_of(&batch);
+        inbox
+            .ingest_sync(
+                "mira",
+                &format!("s{r}"),
+                SyncWrite {
+                    deliveries: &batch,
+                    lines: &lines,
+                    ..SyncWrite::default()
+                },
+            )
+            .expect("ingest");
+        if r % 10 == 9 {
+            let c = inbox.counts("mira").expect("counts");
+            inbox.ack("mira", c.highest).expect("ack");
+        }
+    }
+    let c = inbox.counts("mira").expect("counts");
+    inbox.ack("mira", c.highest).expect("ack");
+    let took = start.elapsed();
+    let before = bytes_under(&dir);
+    let now = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis()),
+    )
+    .unwrap_or(0);
+    let pruned = inbox
+        .prune(now + 31 * 86_400_000, gateway::inbox::Retention::default())
+        .expect("prune");
+    drop(inbox);
+    let reopened = Inbox::open(&dir).expect("reopen");
+    let after = bytes_under(&dir);
+    drop(reopened);
+    println!(
+        "inbox disk after {} deliveries and acks ({:.1} s): {} bytes on disk, {:.0} bytes per delivery; after pruning {} id records past the 30-day retention and reopening: {} bytes ({:.0} per delivery)",
+        responses * 100,
+        took.as_secs_f64(),
+        before,
+        before as f64 / (responses * 100) as f64,
+        pruned.id_records,
+        after,
+        after as f64 / (responses * 100) as f64,
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

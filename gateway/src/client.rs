@@ -64,6 +64,17 @@ impl Client {
         key: &SigningKey,
         timeout: Duration,
     ) -> Result<Self, ClientError> {
+        Self::connect_signed(server, agent_id, connect_payload(key, agent_id), timeout).await
+    }
+
+    /// Connects with a Connect payload signed elsewhere (`payload` from
+    /// [`wire::docs::ConnectPayload::encode`]).
+    pub async fn connect_signed(
+        server: SocketAddr,
+        agent_id: &str,
+        payload: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
         let bind = if server.is_ipv4() {
             SocketAddr::from(([127, 0, 0, 1], 0))
         } else {
@@ -71,9 +82,7 @@ impl Client {
         };
         let (endpoint, events, _task) =
             endpoint::spawn(EndpointConfig::new(bind, rand_seed())).await?;
-        endpoint
-            .connect(server, Bytes::from(connect_payload(key, agent_id)))
-            .await?;
+        endpoint.connect(server, Bytes::from(payload)).await?;
         let mut me = Self {
             endpoint,
             events,
@@ -88,6 +97,11 @@ impl Client {
                 _ => {}
             }
         }
+    }
+
+    /// How long later calls wait for an answer.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
     }
 
     /// Sends raw bytes on the request channel (for tests of what the gateway does with them).

@@ -370,6 +370,41 @@ pub struct Config {
     /// Prometheus metrics, `/healthz` and `/readyz` (off when absent).
     #[serde(default)]
     pub metrics: Option<MetricsConfig>,
+    /// How long the inbox keeps what it no longer needs for delivery.
+    #[serde(default)]
+    pub retention: RetentionConfig,
+}
+
+/// `[retention]`: the inbox's event-id index and send receipts are pruned hourly of records
+/// older than these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Days an event id is remembered to drop a sync's repeats (also at most 10,000 per
+    /// Persona).
+    pub event_ids_days: u32,
+    /// Days a send receipt is kept to answer a repeated request without sending again.
+    pub receipts_days: u32,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            event_ids_days: 30,
+            receipts_days: 30,
+        }
+    }
+}
+
+impl RetentionConfig {
+    /// As the inbox takes it.
+    pub fn retention(&self) -> crate::inbox::Retention {
+        let days = |d: u32| std::time::Duration::from_secs(u64::from(d.max(1)) * 86_400);
+        crate::inbox::Retention {
+            event_ids: days(self.event_ids_days),
+            receipts: days(self.receipts_days),
+        }
+    }
 }
 
 /// The metrics listener.

@@ -3,9 +3,10 @@
 //! One sled tree `inbox` holds every Persona; each key starts with a kind byte and the Persona id:
 //! - `c` persona, last seq -> a chunk: the deliveries of one sync response (MessagePack array
 //!   of encoded deliveries), removed once all of it is acknowledged
-//! - `x` persona, last seq -> the event ids of that chunk (deduplication; kept after ack, because
-//!   sync is at-least-once and may hand an acknowledged event back; the last [`DEDUPE_WINDOW`]
-//!   ids are kept, far more than a replayed response or a gap fill can repeat)
+//! - `x` persona, last seq -> when it was stored and the event ids of that chunk (deduplication;
+//!   kept after ack, because sync is at-least-once and may hand an acknowledged event back; the
+//!   last [`DEDUPE_WINDOW`] ids are kept, far more than a replayed response or a gap fill can
+//!   repeat, and none older than the retention ([`Inbox::prune`]))
 //! - `m` persona, name -> value (`next_seq`, `acked`, `token`, and `s:NAME` for the session's
 //!   values)
 //! - `u` persona, event id -> an event held until it decrypts ([`Held`])
@@ -16,7 +17,8 @@
 //!   note of each replacing kind ([`notes`])
 //! - `o` persona, seq -> her replies' extension fields waiting for a client ([`outbox`])
 //!
-//! and a tree `receipts`: persona, request id -> send receipt.
+//! and a tree `receipts`: persona, request id -> when it was stored and the send receipt (kept
+//! for the retention, [`Inbox::prune`]).
 //!
 //! [`Inbox::ingest`] stores one sync response's new deliveries and its next sync token as ONE
 //! atomic batch and flushes before returning: a delivery is visible (to [`Inbox::pending`])
@@ -136,6 +138,19 @@ type SeenSlot = Arc<Mutex<Option<Seen>>>;
 struct Seen {
     ids: HashSet<Box<str>>,
     records: VecDeque<(u64, usize)>,
+}
+
+/// An `x` value: when it was stored (ms since the epoch; `None` in the first layout, which
+/// stored the ids alone) and the ids.
+fn decode_ids(k: &[u8], v: &[u8]) -> Result<(Option<u64>, Vec<String>), InboxError> {
+    if let Ok((at, ids)) = rmp_serde::from_slice::<(u64, Vec<String>)>(v) {
+        return Ok((Some(at), ids));
+    }
+    Ok((None, decode(k, v)?))
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(crate::ear::unix_ms()).unwrap_or(0)
 }
 
 /// Lines of recent timeline kept per room (enough for 20 lines of context plus a thread's).
@@ -346,7 +361,7 @@ impl Inbox {
             let mut seen = Seen::default();
             for item in self.tree.scan_prefix(kkey(IDS, persona, b"")) {
                 let (k, v) = item?;
-                let list: Vec<String> = decode(&k, &v)?;
+                let (_, list) = decode_ids(&k, &v)?;
                 let last = split_key(&k).map_or(0, |(_, rest)| u64_of(rest));
                 seen.records.push_back((last, list.len()));
                 seen.ids
@@ -437,7 +452,7 @@ impl Inbox {
             self.add_lines(persona, lines, &mut ops)?;
             if let Some(&last) = assigned.last() {
                 ops.insert(chunk_key(persona, last), encode(&chunk));
-                ops.insert(ids_key(persona, last), encode(&ids));
+                ops.insert(ids_key(persona, last), encode(&(now_ms(), &ids)));
                 seen.records.push_back((last, ids.len()));
                 seen.ids.extend(ids.iter().map(|id| Box::<str>::from(*id)));
                 // Forget the oldest id records beyond the window.
@@ -448,7 +463,7 @@ impl Inbox {
                     }
                     let k = ids_key(persona, old);
                     if let Some(v) = self.tree.get(&k)? {
-                        let list: Vec<String> = decode(&k, &v)?;
+                        let (_, list) = decode_ids(&k, &v)?;
                         for id in list {
                             seen.ids.remove(id.as_str());
                         }
@@ -576,7 +591,18 @@ impl Inbox {
         {
             let (k, v) = item?;
             let chunk: Vec<ByteBuf> = decode(&k, &v)?;
-            for raw in chunk {
+            // Seqs in a chunk are dense, ending at the key's: start at `from` without decoding
+            // the deliveries before it (checked; a chunk that is not dense is walked whole).
+            let last = split_key(&k).map_or(0, |(_, rest)| u64_of(rest));
+            let first = (last + 1).saturating_sub(chunk.len() as u64);
+            let mut skip = usize::try_from(from.saturating_sub(first)).unwrap_or(0);
+            if skip > 0 {
+                let at: Option<Delivery> = chunk.get(skip).and_then(|raw| decode(&k, raw).ok());
+                if at.is_none_or(|d| d.seq != from) {
+                    skip = 0;
+                }
+            }
+            for raw in chunk.into_iter().skip(skip) {
                 if deliveries.len() >= limit.max(1) {
                     full = true;
                     break 'chunks;
@@ -677,13 +703,18 @@ impl Inbox {
         request_id: &str,
     ) -> Result<Option<SendReceipt>, InboxError> {
         let k = key(persona, request_id.as_bytes());
-        self.receipts.get(&k)?.map(|v| decode(&k, &v)).transpose()
+        self.receipts
+            .get(&k)?
+            .map(|v| decode_receipt(&k, &v).map(|(_, r)| r))
+            .transpose()
     }
 
     /// Stores a send receipt (flushed) so a repeat of the request is answered without sending.
     pub fn store_receipt(&self, persona: &str, receipt: &SendReceipt) -> Result<(), InboxError> {
-        self.receipts
-            .insert(key(persona, receipt.request_id.as_bytes()), encode(receipt))?;
+        self.receipts.insert(
+            key(persona, receipt.request_id.as_bytes()),
+            encode(&(now_ms(), receipt)),
+        )?;
         self.db.flush()?;
         Ok(())
     }
@@ -691,9 +722,19 @@ impl Inbox {
 
 pub mod notes;
 pub mod outbox;
+pub mod retention;
 
 pub use notes::{Note, NotePut};
 pub use outbox::{ExtensionPage, TurnCommit};
+pub use retention::{Pruned, Retention};
+
+/// A stored receipt: when it was stored (`None` in the first layout) and the receipt.
+fn decode_receipt(k: &[u8], v: &[u8]) -> Result<(Option<u64>, SendReceipt), InboxError> {
+    if let Ok((at, r)) = rmp_serde::from_slice::<(u64, SendReceipt)>(v) {
+        return Ok((Some(at), r));
+    }
+    Ok((None, decode(k, v)?))
+}
 
 #[cfg(test)]
 mod tests;

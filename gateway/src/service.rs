@@ -27,7 +27,8 @@
 //!   the inbox once, and only then answers them ([`Answer::AfterFlush`]).
 //! - Each authenticated client has a budget ([`ClientLimits`]): requests per second (a token
 //!   bucket), requests of its own in flight; past them it is answered `failed` (retry later),
-//!   and one that goes on for a whole burst after being told is disconnected with the reason.
+//!   and one refused more than a burst's worth within a second (it does not slow down when
+//!   told) is disconnected with the reason.
 //!   A client that does not read its answers fills its session's send queue and is
 //!   disconnected too. The others are not affected.
 //! - Connect refusals are logged at most once per source address per 10 s and 10 a second in
@@ -261,7 +262,8 @@ pub struct Service {
     ports: BTreeMap<String, Port>,
     peers: HashMap<SocketAddr, Peer>,
     greeted: std::collections::HashSet<SocketAddr>,
-    nonces: HashMap<(String, String), u64>,
+    /// Nonces used, with when they were signed and the address that used them.
+    nonces: HashMap<(String, String), (u64, SocketAddr)>,
     stats: ServiceStats,
     limits: ClientLimits,
     refusals: RefusalLog,
@@ -337,7 +339,7 @@ impl Service {
         payload: &[u8],
         now_ms: u64,
     ) -> Result<String, Refusal> {
-        let out = self.check_connect(payload, now_ms);
+        let out = self.check_connect(peer, payload, now_ms);
         match &out {
             Ok(agent) => {
                 self.stats.accepted += 1;
@@ -365,26 +367,34 @@ impl Service {
         out
     }
 
-    fn check_connect(&mut self, payload: &[u8], now_ms: u64) -> Result<String, Refusal> {
+    fn check_connect(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Result<String, Refusal> {
         let p = ConnectPayload::decode(payload)?;
         let (key, _) = self
             .clients
             .get(&p.agent_id)
             .ok_or_else(|| Refusal::UnknownAgent(p.agent_id.clone()))?;
         // A replayed payload is refused before its signature costs anything (only verified
-        // nonces are remembered, so a forger cannot poison this).
-        if self
-            .nonces
-            .contains_key(&(p.agent_id.clone(), p.nonce.clone()))
-        {
-            return Err(Refusal::Replay(p.agent_id));
+        // nonces are remembered, so a forger cannot poison this). From the address that used
+        // it first, it is that client resending its Connect (its first was dropped from a full
+        // waiting room, or answered after it timed out): it is let through.
+        if let Some((_, from)) = self.nonces.get(&(p.agent_id.clone(), p.nonce.clone())) {
+            if *from != peer {
+                return Err(Refusal::Replay(p.agent_id));
+            }
+            p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
+            return Ok(p.agent_id);
         }
         p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
         // A nonce older than twice the skew cannot pass the time check again: forget those
         // once there are a few.
         let horizon = now_ms.saturating_sub(self.max_skew_ms.saturating_mul(2));
         if self.nonces.len() >= 1024 {
-            self.nonces.retain(|_, at| *at >= horizon);
+            self.nonces.retain(|_, (at, _)| *at >= horizon);
         }
         if self.nonces.len() >= MAX_NONCES {
             // Only a flood of valid, fresh connects gets here; forgetting the oldest half
@@ -393,7 +403,7 @@ impl Service {
         }
         let fresh = self
             .nonces
-            .insert((p.agent_id.clone(), p.nonce.clone()), p.issued_at)
+            .insert((p.agent_id.clone(), p.nonce.clone()), (p.issued_at, peer))
             .is_none();
         if !fresh {
             return Err(Refusal::Replay(p.agent_id));

@@ -9,11 +9,13 @@
 //! - [`live`]: helpers for tests of the gateway binary with a live session.
 //! - [`workload`]: the seeded reference workload of the session benchmark.
 //! - [`fault_proxy`]: an HTTP proxy in front of Synapse that answers `/sync` with 429 on demand.
+//! - [`legacy`]: a CultNet client on the older session rules (every packet sequenced).
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod claude_cli;
 pub mod fault_proxy;
+pub mod legacy;
 pub mod live;
 pub mod matrix;
 pub mod mock_api;

@@ -192,6 +192,11 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
+    tasks.spawn(prune_hourly(
+        inbox.clone(),
+        cfg.retention.retention(),
+        stop_rx.clone(),
+    ));
     let (tx, applied) = tokio::sync::oneshot::channel();
     let update = service::Update {
         clients: cfg.cultnet.clients.clone(),
@@ -227,6 +232,33 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     let personas_done = async { while stopping.join_next().await.is_some() {} };
     let (_, _) = tokio::join!(personas_done, service_done);
     Ok(())
+}
+
+/// Prunes the inbox's event-id index and send receipts at start and every hour (off the
+/// runtime's workers: it scans sled).
+async fn prune_hourly(
+    inbox: Inbox,
+    keep: gateway::inbox::Retention,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let now = u64::try_from(ear::unix_ms()).unwrap_or(0);
+        let i = inbox.clone();
+        match tokio::task::spawn_blocking(move || i.prune(now, keep)).await {
+            Ok(Ok(p)) => tracing::info!(
+                id_records = p.id_records,
+                receipts = p.receipts,
+                stamped = p.stamped,
+                "inbox pruned"
+            ),
+            Ok(Err(e)) => tracing::error!("pruning the inbox: {e}"),
+            Err(e) => tracing::error!("pruning the inbox: {e}"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            _ = stop.changed() => return,
+        }
+    }
 }
 
 /// SIGHUP: reads the config again. An invalid one is refused and logged, and the running one

@@ -194,6 +194,93 @@ fn receipts_survive_restarts() {
 }
 
 #[test]
+fn event_ids_and_receipts_are_pruned_by_age_and_old_records_get_a_time() {
+    let path = dir("prune");
+    let inbox = Inbox::open(&path).unwrap();
+    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let day = 86_400_000u64;
+    let r = |id: &str| SendReceipt {
+        request_id: id.into(),
+        status: Status::Ok,
+        event_id: Some("$sent".into()),
+        room_id: Some("!r".into()),
+        error: None,
+    };
+    inbox
+        .ingest("mira", "t1", &[d("$1", "a"), d("$2", "b")])
+        .unwrap();
+    inbox.store_receipt("mira", &r("req-1")).unwrap();
+    // A record in the first layout (ids alone, a bare receipt): no time.
+    inbox
+        .tree
+        .insert(ids_key("otto", 7), encode(&vec!["$old".to_owned()]))
+        .unwrap();
+    inbox
+        .receipts
+        .insert(key("otto", b"req-0"), encode(&r("req-0")))
+        .unwrap();
+    inbox.ingest("otto", "t", &[d("$old", "again")]).unwrap();
+    assert_eq!(
+        inbox.counts("otto").unwrap().highest,
+        0,
+        "deduped by the old record"
+    );
+    assert_eq!(inbox.receipt("otto", "req-0").unwrap(), Some(r("req-0")));
+    let keep = Retention {
+        event_ids: std::time::Duration::from_secs(3 * 86_400),
+        receipts: std::time::Duration::from_secs(5 * 86_400),
+    };
+    // Two days on: nothing is old enough; the untimed records are stamped.
+    let p = inbox.prune(now + 2 * day, keep).unwrap();
+    assert_eq!(
+        p,
+        Pruned {
+            id_records: 0,
+            receipts: 0,
+            stamped: 2
+        }
+    );
+    assert_eq!(inbox.receipt("mira", "req-1").unwrap(), Some(r("req-1")));
+    // Four days on: mira's ids go (a sync handing them back now delivers them again), her
+    // receipt stays (5 days); the stamped records are two days old.
+    let p = inbox.prune(now + 4 * day, keep).unwrap();
+    assert_eq!(
+        p,
+        Pruned {
+            id_records: 1,
+            receipts: 0,
+            stamped: 0
+        }
+    );
+    let again = inbox.ingest("mira", "t2", &[d("$1", "a")]).unwrap();
+    assert_eq!(again, vec![3], "pruned ids no longer dedupe");
+    inbox.ingest("otto", "t", &[d("$old", "again")]).unwrap();
+    assert_eq!(
+        inbox.counts("otto").unwrap().highest,
+        0,
+        "stamped record still dedupes"
+    );
+    // Six days on: mira's receipt goes; of the stamped ones (4 days after their stamp) the
+    // id record goes, the receipt not yet; mira's new id record is as old as her first.
+    let p = inbox.prune(now + 6 * day, keep).unwrap();
+    assert_eq!((p.receipts, p.id_records), (1, 2));
+    assert_eq!(inbox.receipt("mira", "req-1").unwrap(), None);
+    assert_eq!(inbox.receipt("otto", "req-0").unwrap(), Some(r("req-0")));
+    let p = inbox.prune(now + 8 * day, keep).unwrap();
+    assert_eq!((p.receipts, p.id_records), (1, 0));
+    assert_eq!(inbox.receipt("otto", "req-0").unwrap(), None);
+    // What is pending is never touched by retention.
+    assert_eq!(inbox.counts("mira").unwrap().pending, 3);
+    // Survives a restart.
+    drop(inbox);
+    let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(
+        inbox.pending("mira", 0, 10, None).unwrap().deliveries.len(),
+        3
+    );
+}
+
+#[test]
 fn open_waits_for_a_lock_being_released_and_gives_up_on_one_that_is_not() {
     let path = dir("lock");
     let held = Inbox::open(&path).unwrap();

@@ -34,7 +34,8 @@ pub enum Verdict {
     Allow,
     /// Over its rate: answer `failed`, retry later.
     Refuse,
-    /// Over its rate for a whole burst more after being told: disconnect it.
+    /// Refused more than a burst's worth within one second (it does not slow down when
+    /// told): disconnect it.
     Disconnect,
 }
 
@@ -43,8 +44,9 @@ pub enum Verdict {
 pub struct Budget {
     tokens: f64,
     last: Instant,
-    /// Requests refused in a row (reset by one allowed request).
-    refused_in_a_row: u64,
+    /// Requests refused since `window` began (a window lasts a second).
+    refused: u64,
+    window: Instant,
 }
 
 impl Budget {
@@ -53,7 +55,8 @@ impl Budget {
         Self {
             tokens: limits.burst.max(1.0),
             last: now,
-            refused_in_a_row: 0,
+            refused: 0,
+            window: now,
         }
     }
 
@@ -62,13 +65,16 @@ impl Budget {
         let dt = now.saturating_duration_since(self.last).as_secs_f64();
         self.last = self.last.max(now);
         self.tokens = (self.tokens + dt * limits.requests_per_sec).min(limits.burst.max(1.0));
+        if now >= self.window + Duration::from_secs(1) {
+            self.window = now;
+            self.refused = 0;
+        }
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
-            self.refused_in_a_row = 0;
             return Verdict::Allow;
         }
-        self.refused_in_a_row += 1;
-        if self.refused_in_a_row as f64 > limits.burst.max(1.0) {
+        self.refused += 1;
+        if self.refused as f64 > limits.burst.max(1.0) {
             Verdict::Disconnect
         } else {
             Verdict::Refuse
@@ -143,12 +149,13 @@ mod tests {
         let t1 = t0 + Duration::from_millis(10);
         assert_eq!(b.take(&l, t1), Verdict::Allow);
         assert_eq!(b.take(&l, t1), Verdict::Refuse);
-        // A client that keeps going past a whole burst of refusals is cut off.
+        // A client refused more than a burst's worth (10) within a second is cut off: two
+        // refusals so far, eight more are refused, the eleventh ends it.
         let verdicts: Vec<_> = (0..11).map(|_| b.take(&l, t1)).collect();
         assert_eq!(verdicts.last(), Some(&Verdict::Disconnect));
         assert_eq!(
             verdicts.iter().filter(|v| **v == Verdict::Refuse).count(),
-            9
+            8
         );
         // Time heals: after a second the bucket is full again (never more than the burst).
         let t2 = t1 + Duration::from_secs(5);

@@ -158,10 +158,21 @@ fn connect_needs_a_configured_agent_its_pinned_key_a_fresh_time_and_a_new_nonce(
         connect(&mut f.svc, peer(2), "stranger", 1, "n3"),
         Err(Refusal::UnknownAgent(a)) if a == "stranger"
     ));
-    // The same nonce again, even from another address: a replay.
+    // The same nonce again from another address: a replay.
     assert!(matches!(
         connect(&mut f.svc, peer(3), "organ", 1, "n1"),
         Err(Refusal::Replay(_))
+    ));
+    // From the address that used it, it is that client resending its Connect (its first
+    // answer was lost to a full waiting room): let through, still checked.
+    assert_eq!(
+        connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap(),
+        "organ"
+    );
+    let forged = ConnectPayload::sign(&key(9), GATEWAY_CONNECTION_ID, "organ", NOW, "n1");
+    assert!(matches!(
+        f.svc.authenticate(peer(1), &forged.encode(), NOW),
+        Err(Refusal::Auth(AuthError::BadSignature(_)))
     ));
     // Signed for another service's connection id.
     let other = ConnectPayload::sign(&key(1), 0xE91F_0001, "organ", NOW, "n4");
@@ -179,8 +190,8 @@ fn connect_needs_a_configured_agent_its_pinned_key_a_fresh_time_and_a_new_nonce(
         f.svc.authenticate(peer(6), b"\xc1 not msgpack", NOW),
         Err(Refusal::Auth(AuthError::Malformed(_)))
     ));
-    assert_eq!(f.svc.stats().accepted, 1);
-    assert_eq!(f.svc.stats().refused, 6);
+    assert_eq!(f.svc.stats().accepted, 2);
+    assert_eq!(f.svc.stats().refused, 7);
     // Refused peers are not heard.
     assert!(f.svc.handle(peer(2), &frame(vec![0xc0])).is_empty());
 }
