@@ -26,6 +26,10 @@ use wire::docs::{
 use wire::msg::{Message, Put, RawDocument};
 use wire::session::GATEWAY_CONNECTION_ID;
 
+/// One test at a time: each loads both cores on purpose (sprays, floods, 500 connections), and
+/// run side by side they would measure each other instead of the gateway.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The gateway's resident memory, in KiB.
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -154,6 +158,7 @@ async fn share(addr: SocketAddr, key: SigningKey, me: usize, n: usize) -> usize 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_clients_are_answered_while_another_process_sprays_the_endpoint() {
+    let _one = ONE_AT_A_TIME.lock().await;
     const CLIENTS: usize = 50;
     const REQUESTS: usize = 1000;
     let (_scene, gw, key, _room) = setup("atk-load", "", 10).await;
@@ -232,6 +237,7 @@ async fn fifty_clients_are_answered_while_another_process_sprays_the_endpoint() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_unauthenticated_quic_connections_stay_bounded_and_a_client_is_served() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (scene, gw, key, _room) = setup("atk-quic", "", 3).await;
     // QUIC was not configured by setup: restart with it.
     let config = scene.dir.join("gateway.toml");
@@ -326,6 +332,7 @@ async fn five_hundred_unauthenticated_quic_connections_stay_bounded_and_a_client
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_client_is_limited_and_another_clients_p99_stays_within_bounds() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (_scene, gw, key, _room) = setup(
         "atk-flood",
         "requests_per_sec = 500\nrequest_burst = 500",
@@ -456,6 +463,7 @@ fn payload_of<T: serde::de::DeserializeOwned>(m: Message, key: &str) -> T {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn older_and_newer_rules_clients_each_do_pending_ack_send_against_the_binary() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let (scene, gw, key, room) = setup("atk-rules", "", 2).await;
     let addr = gw.cultnet_addr();
     let room_id = room.room_id().to_string();
