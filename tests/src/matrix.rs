@@ -420,6 +420,16 @@ pub fn write_config(
     path
 }
 
+/// Adds `lines` (settings such as `max_in_flight = 128`) to the `[cultnet]` section of a config
+/// written by [`write_config`], which has no parameter for them.
+pub fn add_cultnet_lines(config: &Path, lines: &str) {
+    let bind = "[cultnet]\nbind = \"127.0.0.1:0\"\n";
+    let text = std::fs::read_to_string(config).expect("read config");
+    assert!(text.contains(bind), "not a config of write_config:\n{text}");
+    let text = text.replacen(bind, &format!("{bind}{lines}\n"), 1);
+    std::fs::write(config, text).expect("write config");
+}
+
 /// A `[[persona]]` block for `@ID:localhost` on device `GW-ID` (upper case), her token written
 /// to `DIR/ID.token` (mode 0600), with her rooms and operators, and `extra` lines after it
 /// (a `[persona.session]` or `[persona.limits]` section).

@@ -17,7 +17,7 @@ use gateway::client::{Client, ClientError, QuicClient};
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use tests::legacy::LegacyClient;
 use tests::live::{public_hex, said_by};
-use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::matrix::{add_cultnet_lines, public_room, write_config, GatewayProcess, Scene};
 use tests::synapse::Limits;
 use wire::docs::{
     ids, AckReceipt, AckRequest, ConnectPayload, GatewayStatus, PendingPage, PendingRequest,
@@ -65,11 +65,8 @@ async fn setup(
         &[],
         "",
     );
-    let text = std::fs::read_to_string(&config).unwrap().replacen(
-        "[cultnet]\nbind = \"127.0.0.1:0\"\n",
-        &format!("[cultnet]\nbind = \"127.0.0.1:0\"\n{cultnet}\n"),
-        1,
-    ) + client_block("organ", &key).as_str();
+    add_cultnet_lines(&config, cultnet);
+    let text = std::fs::read_to_string(&config).unwrap() + client_block("organ", &key).as_str();
     std::fs::write(&config, text).unwrap();
     let gw = GatewayProcess::start(&config);
     for i in 0..n {

@@ -618,15 +618,10 @@ async fn sends_beyond_the_in_flight_limit_are_refused_at_once_and_go_out_once_la
         &clients,
     );
     // One client sends them all, so its own in-flight limit must sit above the service's.
-    let text = std::fs::read_to_string(&config).unwrap().replacen(
-        "bind = \"127.0.0.1:0\"",
-        &format!(
-            "bind = \"127.0.0.1:0\"\nmax_in_flight = {}",
-            MAX_SENDS_IN_FLIGHT * 2
-        ),
-        1,
+    tests::matrix::add_cultnet_lines(
+        &config,
+        &format!("max_in_flight = {}", MAX_SENDS_IN_FLIGHT * 2),
     );
-    std::fs::write(&config, text).unwrap();
     let gw = GatewayProcess::start(&config);
     let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
         .await
