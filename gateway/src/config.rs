@@ -151,6 +151,35 @@ pub struct SessionConfig {
     /// Before a planned compaction (the policy's or an operator's), one turn asks her to put
     /// what she must keep into her reply's extension fields (they go to the outbox).
     pub checkpoint_before_compact: bool,
+    /// Her model's prices, when not its published ones (`[persona.session.prices]`): they
+    /// drive the refresh policy and the cost she reports.
+    pub prices: Option<PriceConfig>,
+}
+
+/// A model's prices as a base and a cache-read ratio; writes cost 1.25x (5 minutes) and 2x
+/// (1 hour) the base and output 5x, as on every published model.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceConfig {
+    /// Dollars per million uncached input tokens.
+    pub input: f64,
+    /// A cache read's price as a share of `input` (0.1 on published models; 0.05 on some).
+    #[serde(default = "PriceConfig::default_read_ratio")]
+    pub cache_read_ratio: f64,
+}
+
+// Loading rejects NaN, so equality is reflexive on every loaded config.
+impl Eq for PriceConfig {}
+
+impl PriceConfig {
+    fn default_read_ratio() -> f64 {
+        0.1
+    }
+
+    /// The full table.
+    pub fn table(&self) -> session::cost::Prices {
+        session::cost::Prices::from_base(self.input, self.cache_read_ratio)
+    }
 }
 
 impl Default for SessionConfig {
@@ -175,6 +204,7 @@ impl Default for SessionConfig {
             state_file: None,
             reply_schema_file: None,
             checkpoint_before_compact: false,
+            prices: None,
         }
     }
 }
@@ -624,6 +654,28 @@ impl Config {
                     format!("{:?} is neither \"5m\" nor \"1h\"", sc.cache_ttl),
                 ));
             }
+            if let Some(p) = &sc.prices {
+                if !(p.input.is_finite() && p.input > 0.0 && p.input < 1_000.0) {
+                    return Err(err(
+                        who,
+                        "session.prices.input",
+                        format!(
+                            "{} is not a price in dollars per million tokens (0 < input < 1000)",
+                            p.input
+                        ),
+                    ));
+                }
+                if !(p.cache_read_ratio > 0.0 && p.cache_read_ratio <= 1.0) {
+                    return Err(err(
+                        who,
+                        "session.prices.cache_read_ratio",
+                        format!(
+                            "{} is not a share of the input price (0 < ratio <= 1)",
+                            p.cache_read_ratio
+                        ),
+                    ));
+                }
+            }
             if sc.context_window < 50_000 {
                 return Err(err(
                     who,
@@ -877,6 +929,44 @@ operators = ["@op:localhost"]
         assert_eq!(e.key, "cultnet.client[1].agent_id");
         let e = client(&format!("{one}\nverbs = [\"delete\"]")).unwrap_err();
         assert!(e.problem.contains("delete"), "{e}");
+    }
+
+    #[test]
+    fn prices_are_a_base_and_a_read_ratio_checked_on_load() {
+        let prices = |body: &str| Config::parse(&format!("{GOOD}\n[persona.session]\n{body}"));
+        let c = prices("prices = { input = 3.0, cache_read_ratio = 0.05 }").unwrap();
+        let p = c.personas[0].session.prices.unwrap().table();
+        assert_eq!(
+            (p.input, p.cache_read, p.output),
+            (3.0, 0.15000000000000002, 15.0)
+        );
+        let c = prices("prices = { input = 1.0 }").unwrap();
+        assert_eq!(c.personas[0].session.prices.unwrap().cache_read_ratio, 0.1);
+        assert_eq!(
+            Config::parse(GOOD).unwrap().personas[0].session.prices,
+            None
+        );
+        for (body, key) in [
+            ("prices = { input = 0.0 }", "session.prices.input"),
+            ("prices = { input = -3.0 }", "session.prices.input"),
+            ("prices = { input = nan }", "session.prices.input"),
+            (
+                "prices = { input = 3.0, cache_read_ratio = 0.0 }",
+                "session.prices.cache_read_ratio",
+            ),
+            (
+                "prices = { input = 3.0, cache_read_ratio = 1.5 }",
+                "session.prices.cache_read_ratio",
+            ),
+        ] {
+            let e = prices(body).unwrap_err();
+            assert_eq!(e.key, key, "{body}: {e}");
+            assert_eq!(e.persona.as_deref(), Some("mira"));
+        }
+        assert!(
+            prices("prices = { input = 3.0, output = 9.0 }").is_err(),
+            "unknown keys refused"
+        );
     }
 
     #[test]

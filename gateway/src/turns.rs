@@ -269,13 +269,27 @@ impl TurnLoop {
         let restarted = (status.turns_total > 0).then_some("the gateway");
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
+        // Her gaps and compaction summaries, learned in earlier runs.
+        let telemetry = Telemetry {
+            gaps: inbox
+                .session_value(&persona.id, "gaps")?
+                .and_then(|v| serde_json::from_str(&v).ok())
+                .unwrap_or_default(),
+            summaries: inbox
+                .session_value(&persona.id, "summaries")?
+                .and_then(|v| serde_json::from_str(&v).ok())
+                .unwrap_or_default(),
+            ..Telemetry::default()
+        };
+        let prices = prices_for(&persona, &base.model);
         Ok(Self {
-            telemetry: Telemetry::default(),
+            telemetry,
             policy: PolicyConfig {
                 context_window: persona.session.context_window,
+                prices,
                 ..PolicyConfig::for_ttl(base.cache_ttl)
             },
-            prices: Prices::default(),
+            prices,
             prompt_tokens,
             fired: None,
             prompt_hash: hash_file(&base.system_prompt_file),
@@ -356,8 +370,7 @@ impl TurnLoop {
                     Process::Stopped
                 };
                 // A check that already fired and changed nothing is not repeated.
-                let at = policy::next_check(&self.telemetry, &self.policy)
-                    .filter(|at| Some(*at) != self.fired);
+                let at = policy::next_check(&self.telemetry, &self.policy, self.fired);
                 let timer = at.map(tokio::time::Instant::from_std);
                 let sleep = async {
                     match timer {
@@ -565,6 +578,8 @@ impl TurnLoop {
                         .set_session_value(&self.persona.id, "model", Some(&m))
                     {
                         Ok(()) => {
+                            self.prices = prices_for(&self.persona, &m);
+                            self.policy.prices = self.prices;
                             self.base.model = m.clone();
                             self.status.model = m;
                             self.retire_session("model switch").await
@@ -666,6 +681,26 @@ impl TurnLoop {
         Ok(())
     }
 
+    /// Books the gap since her last turn for predictive keep-warm, and stores her gaps so a
+    /// restart keeps what was learned.
+    fn book_gap(&mut self, now: Instant) {
+        let before = self.telemetry.gaps.len();
+        self.telemetry.batch_arrived(now);
+        if self.telemetry.gaps.len() == before && before < session::policy::GapModel::KEPT {
+            return;
+        }
+        let stored = serde_json::to_string(&self.telemetry.gaps)
+            .map_err(|e| e.to_string())
+            .and_then(|v| {
+                self.inbox
+                    .set_session_value(&self.persona.id, "gaps", Some(&v))
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = stored {
+            tracing::warn!(persona = %self.persona.id, error = %e, "her gaps were not stored");
+        }
+    }
+
     /// Compacts her conversation with the CLI's `/compact`; when the CLI does not compact
     /// (an error, no boundary), starts fresh instead. Context lines are sent again afterwards:
     /// the summary need not keep them.
@@ -682,8 +717,16 @@ impl TurnLoop {
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
                 self.seen.clear();
-                self.telemetry.after_compact(m.post_tokens, Instant::now());
+                self.telemetry.after_compact(
+                    m.post_tokens,
+                    result.usage.usage().output,
+                    Instant::now(),
+                );
                 self.status.compactions += 1;
+                if let Ok(v) = serde_json::to_string(&self.telemetry.summaries) {
+                    self.inbox
+                        .set_session_value(&self.persona.id, "summaries", Some(&v))?;
+                }
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
@@ -870,6 +913,9 @@ impl TurnLoop {
             self.mouth.typing(r, true).await;
         }
         let started = Instant::now();
+        if span.is_some() {
+            self.book_gap(started);
+        }
         self.telemetry.batch_waiting = true;
         self.telemetry.process = if self.cli.is_some() {
             Process::Running
@@ -1194,4 +1240,16 @@ pub fn human_duration(ms: i64) -> String {
         7_200..=172_799 => format!("{} h {} min", s / 3600, s % 3600 / 60),
         _ => format!("{} d {} h", s / 86_400, s % 86_400 / 3600),
     }
+}
+
+/// Her model's prices: the configured table, else the model's published one, else Sonnet's
+/// (with a warning: the policy's choices and her reported cost assume them).
+fn prices_for(persona: &Persona, model: &str) -> Prices {
+    if let Some(p) = &persona.session.prices {
+        return p.table();
+    }
+    Prices::for_model(model).unwrap_or_else(|| {
+        tracing::warn!(persona = %persona.id, model, "no published prices known for this model; costing it as Sonnet (set [persona.session.prices])");
+        Prices::default()
+    })
 }

@@ -57,6 +57,36 @@ impl Prices {
         }
     }
 
+    /// The published table of a Claude model, by its name's family (dated and undated names
+    /// alike: `claude-sonnet-4-5`, `claude-sonnet-4-5-20250929`), or `None` for a model it does
+    /// not know. Every published model bills writes at 1.25x / 2x, reads at 0.1x and output at
+    /// 5x its base input price; a model priced otherwise (reads at 0.05x, say) is configured
+    /// with [`Prices::from_base`].
+    pub fn for_model(model: &str) -> Option<Self> {
+        // Most specific first: `claude-opus-4-5` before `claude-opus-4`.
+        const BASES: &[(&str, f64)] = &[
+            ("claude-opus-4-5", 5.0),
+            ("claude-opus-4-6", 5.0),
+            ("claude-opus-4", 15.0),
+            ("claude-3-opus", 15.0),
+            ("claude-sonnet-4", 3.0),
+            ("claude-3-7-sonnet", 3.0),
+            ("claude-3-5-sonnet", 3.0),
+            ("claude-haiku-4-5", 1.0),
+            ("claude-3-5-haiku", 0.8),
+            ("claude-3-haiku", 0.25),
+        ];
+        BASES
+            .iter()
+            .find(|(family, _)| {
+                model == *family
+                    || model
+                        .strip_prefix(family)
+                        .is_some_and(|rest| rest.starts_with('-') || rest.starts_with('@'))
+            })
+            .map(|&(_, base)| Self::from_base(base, 0.1))
+    }
+
     /// Price of one cache write token under `ttl`.
     pub fn write(&self, ttl: Ttl) -> f64 {
         match ttl {
@@ -140,5 +170,34 @@ mod tests {
         assert_eq!(Usage::default().hit_ratio(), 0.0);
         assert_eq!(p.write(Ttl::OneHour), 6.0);
         assert_eq!(Ttl::FiveMinutes.duration(), Duration::from_secs(300));
+    }
+
+    #[test]
+    fn models_have_their_published_prices() {
+        let base = |m: &str| Prices::for_model(m).map(|p| p.input);
+        assert_eq!(base("claude-sonnet-4-5"), Some(3.0));
+        assert_eq!(base("claude-sonnet-4-5-20250929"), Some(3.0));
+        assert_eq!(base("claude-sonnet-4-6"), Some(3.0));
+        assert_eq!(base("claude-opus-4-1-20250805"), Some(15.0));
+        assert_eq!(base("claude-opus-4-5"), Some(5.0));
+        assert_eq!(base("claude-opus-4-6"), Some(5.0));
+        assert_eq!(base("claude-haiku-4-5"), Some(1.0));
+        assert_eq!(base("claude-3-5-haiku-20241022"), Some(0.8));
+        assert_eq!(base("claude-3-haiku-20240307"), Some(0.25));
+        // Not a family name's prefix match by accident, nor a stranger.
+        assert_eq!(base("claude-opus-40"), None);
+        assert_eq!(base("gpt-4o"), None);
+        let haiku = Prices::for_model("claude-haiku-4-5").unwrap();
+        assert_eq!(
+            (
+                haiku.cache_write_5m,
+                haiku.cache_write_1h,
+                haiku.cache_read,
+                haiku.output
+            ),
+            (1.25, 2.0, 0.1, 5.0)
+        );
+        let cheap = Prices::from_base(3.0, 0.05);
+        assert!((cheap.cache_read - 0.15).abs() < 1e-12);
     }
 }

@@ -143,9 +143,22 @@ pub struct Turn {
     pub compacted: Option<proto::CompactMetadata>,
 }
 
+/// Who compacts a conversation that outgrows the window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compaction {
+    /// The gateway's policy (the CLI's auto-compaction off): every live process.
+    Policy,
+    /// The CLI by itself, its default: what a harness that runs it per turn gets.
+    Cli,
+}
+
 /// The command line and environment every CLI run shares (see the module docs). An OAuth
 /// token is written into a pipe whose read end becomes the child's fd [`OAUTH_FD`].
 fn command(cfg: &CliConfig) -> Result<Command, DriverError> {
+    command_with(cfg, Compaction::Policy)
+}
+
+fn command_with(cfg: &CliConfig, compaction: Compaction) -> Result<Command, DriverError> {
     let mut cmd = Command::new(&cfg.exe);
     cmd.args(["-p", "--output-format", "stream-json", "--verbose"]);
     if matches!(cfg.credential, Credential::ApiKey(_)) {
@@ -157,12 +170,10 @@ fn command(cfg: &CliConfig) -> Result<Command, DriverError> {
         .arg(&cfg.system_prompt_file)
         .arg("--json-schema")
         .arg(&cfg.json_schema)
-        .args([
-            "--tools",
-            "",
-            "--settings",
-            r#"{"autoCompactEnabled":false}"#,
-        ]);
+        .args(["--tools", ""]);
+    if compaction == Compaction::Policy {
+        cmd.args(["--settings", r#"{"autoCompactEnabled":false}"#]);
+    }
     cmd.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", &cfg.config_dir)
@@ -171,8 +182,10 @@ fn command(cfg: &CliConfig) -> Result<Command, DriverError> {
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
         .env("DISABLE_TELEMETRY", "1")
         .env("DISABLE_ERROR_REPORTING", "1")
-        .env("DISABLE_AUTOUPDATER", "1")
-        .env("DISABLE_AUTO_COMPACT", "1");
+        .env("DISABLE_AUTOUPDATER", "1");
+    if compaction == Compaction::Policy {
+        cmd.env("DISABLE_AUTO_COMPACT", "1");
+    }
     if cfg.cache_ttl == Ttl::OneHour {
         cmd.env("CLAUDE_CODE_PROMPT_CACHE_TTL", "1h");
     }
@@ -229,13 +242,50 @@ pub async fn refresh_fork(cfg: &CliConfig, session_id: &str) -> Result<ResultEve
             "keep-warm ping",
         ])
         .stdin(Stdio::null());
-    let out = tokio::time::timeout(cfg.turn_timeout, cmd.output())
+    run_once(cfg, cmd, None).await
+}
+
+/// One batch in a process of its own, the way a per-turn harness runs the CLI: `claude -p`
+/// with `text` on stdin, starting `session_id` (or resuming it when `resume`), and with the
+/// CLI's own auto-compaction as `compaction` says. The session benchmark's resume-per-turn
+/// rival; the live session keeps one process instead.
+pub async fn one_shot(
+    cfg: &CliConfig,
+    session_id: &str,
+    resume: bool,
+    text: &str,
+    compaction: Compaction,
+) -> Result<ResultEvent, DriverError> {
+    let mut cmd = command_with(cfg, compaction)?;
+    cmd.arg(if resume { "--resume" } else { "--session-id" })
+        .arg(session_id);
+    run_once(cfg, cmd, Some(text)).await
+}
+
+/// Runs a one-shot command to its end (feeding `stdin` if given) and returns its result.
+async fn run_once(
+    cfg: &CliConfig,
+    mut cmd: Command,
+    stdin: Option<&str>,
+) -> Result<ResultEvent, DriverError> {
+    let spawn_err = |source| DriverError::Spawn {
+        exe: cfg.exe.clone(),
+        source,
+    };
+    if stdin.is_some() {
+        cmd.stdin(Stdio::piped());
+    }
+    std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
+    std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
+    let mut child = cmd.spawn().map_err(spawn_err)?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(text.as_bytes()).await.map_err(spawn_err)?;
+        drop(pipe);
+    }
+    let out = tokio::time::timeout(cfg.turn_timeout, child.wait_with_output())
         .await
         .map_err(|_| DriverError::TimedOut(cfg.turn_timeout))?
-        .map_err(|source| DriverError::Spawn {
-            exe: cfg.exe.clone(),
-            source,
-        })?;
+        .map_err(spawn_err)?;
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| proto::parse_line(l).ok().flatten())
@@ -248,7 +298,7 @@ pub async fn refresh_fork(cfg: &CliConfig, session_id: &str) -> Result<ResultEve
         })
         .ok_or_else(|| {
             DriverError::Exited(format!(
-                "keep-warm run ended without a result ({})",
+                "one-shot run ended without a result ({})",
                 out.status
             ))
         })

@@ -7,18 +7,26 @@
 //! 2. The context is past the watermark (well before the blocking limit) -> the same choice.
 //! 3. A batch waits, the cache has expired, and the prefix is large: resuming would rewrite the
 //!    whole prefix at the write price, so start fresh (rehydrated) if that is cheaper.
-//! 4. Ski rental: start fresh once the cache reads paid above the rehydration size since the
-//!    last fresh start reach the cost of one rebuild (at most twice the hindsight optimum).
+//! 4. Ski rental: shrink (compact or start fresh, whichever costs less) once the cache reads
+//!    paid above the rehydration size since the last fresh start reach the cost of one rebuild
+//!    (at most twice the hindsight optimum).
 //! 5. Idle (no batch): refresh the cache shortly before it expires while the refreshes paid
-//!    since the last turn stay below the cost of the rewrite they avoid (ski rental again);
-//!    otherwise evict a process idle for longer than `evict_after` (its session stays
-//!    resumable).
+//!    since the last turn stay below the cost of the rewrite they avoid (ski rental again),
+//!    and, once her gaps are known ([`GapModel`]), only when a batch is likely enough to come
+//!    while the refreshed entry lives for the saving to beat the refresh's price; otherwise
+//!    evict a process idle for longer than `evict_after` (its session stays resumable).
+//!
+//! A compaction's cost counts the summary it writes: the mean of the last compactions' summary
+//! sizes once there has been one, `compact_summary_tokens` before.
 //!
 //! Every rule's inputs are in [`Telemetry`], so a logged decision can be replayed.
 
 use std::time::{Duration, Instant};
 
 use crate::cost::{Prices, Ttl};
+
+pub mod gaps;
+pub use gaps::GapModel;
 
 /// Policy constants.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,10 +46,14 @@ pub struct PolicyConfig {
     /// Start fresh after an expired cache only when the cold prefix is this many times the
     /// rehydration size (continuity is worth something).
     pub cold_prefix_factor: f64,
-    /// Expected size of a compaction summary (tokens of output, then of prefix).
+    /// Expected size of a compaction summary (tokens of output, then of prefix) until one
+    /// has been measured.
     pub compact_summary_tokens: u64,
     /// Refresh the cache before it expires (bounded by ski rental).
     pub keep_warm: bool,
+    /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
+    /// expires (see [`GapModel`]); without enough gaps, the ski-rental bound alone.
+    pub predictive: bool,
     /// How long before expiry the refresh fires.
     pub keep_warm_lead: Duration,
 }
@@ -58,6 +70,7 @@ impl Default for PolicyConfig {
             cold_prefix_factor: 1.25,
             compact_summary_tokens: 4_000,
             keep_warm: true,
+            predictive: true,
             keep_warm_lead: Duration::from_secs(60),
         }
     }
@@ -135,9 +148,33 @@ pub struct Telemetry {
     pub excess_read_cost: f64,
     /// Dollars of keep-warm refreshes since the last turn.
     pub keep_warm_cost: f64,
+    /// Her gaps between batches.
+    pub gaps: GapModel,
+    /// The last compactions' summary sizes (output tokens), newest last, at most
+    /// [`Telemetry::SUMMARIES_KEPT`].
+    pub summaries: Vec<u64>,
 }
 
 impl Telemetry {
+    /// Compaction summaries remembered for the learned size.
+    pub const SUMMARIES_KEPT: usize = 4;
+
+    /// Books a batch ready at `now`: its gap since her last turn feeds [`GapModel`].
+    pub fn batch_arrived(&mut self, now: Instant) {
+        if let Some(at) = self.last_turn_at {
+            self.gaps.observe(now.saturating_duration_since(at));
+        }
+    }
+
+    /// The summary size a compaction is expected to write: the mean of the last ones measured,
+    /// or the configured guess before any.
+    pub fn summary_tokens(&self, c: &PolicyConfig) -> u64 {
+        match self.summaries.len() as u64 {
+            0 => c.compact_summary_tokens,
+            n => self.summaries.iter().sum::<u64>() / n,
+        }
+    }
+
     /// Books a finished turn: its usage (the last request's), how it ended, when.
     pub fn after_turn(
         &mut self,
@@ -164,7 +201,12 @@ impl Telemetry {
 
     /// After a compaction: the conversation is now `post_tokens` long (summary and what was
     /// kept), freshly read, and the read cost above the rehydration starts again from zero.
-    pub fn after_compact(&mut self, post_tokens: u64, now: Instant) {
+    /// `summary_tokens` (the summary request's output) is learned for the next one.
+    pub fn after_compact(&mut self, post_tokens: u64, summary_tokens: u64, now: Instant) {
+        if self.summaries.len() == Self::SUMMARIES_KEPT {
+            self.summaries.remove(0);
+        }
+        self.summaries.push(summary_tokens);
         self.prefix_tokens = post_tokens;
         self.excess_read_cost = 0.0;
         self.last_outcome = Outcome::Ok;
@@ -222,9 +264,10 @@ pub fn compact_cost(t: &Telemetry, c: &PolicyConfig, now: Instant) -> f64 {
     } else {
         p.write(c.ttl)
     };
+    let summary = t.summary_tokens(c);
     Prices::dollars(t.prefix_tokens, read)
-        + Prices::dollars(c.compact_summary_tokens, p.output)
-        + Prices::dollars(t.base_tokens + c.compact_summary_tokens, p.write(c.ttl))
+        + Prices::dollars(summary, p.output)
+        + Prices::dollars(t.base_tokens + summary, p.write(c.ttl))
 }
 
 /// Dollars one keep-warm refresh costs: a read of the prefix (plus a few tokens).
@@ -261,7 +304,7 @@ pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
             return Decision::FreshStart(Reason::ColdCache);
         }
         if t.excess_read_cost >= rebuild_cost(t, c) && t.prefix_tokens > t.rehydration_tokens {
-            return Decision::FreshStart(Reason::SkiRental);
+            return shrink(Reason::SkiRental);
         }
         return Decision::Continue;
     }
@@ -286,11 +329,36 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
     // The rewrite a refresh avoids: the next turn would rewrite the prefix, or start fresh.
     let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c));
-    now >= fire_at && now < expiry && t.keep_warm_cost + refresh_cost(t, c) <= rewrite
+    let refresh = refresh_cost(t, c);
+    if !(now >= fire_at && now < expiry && t.keep_warm_cost + refresh <= rewrite) {
+        return false;
+    }
+    if !c.predictive {
+        return true;
+    }
+    // Kept warm, her next batch reads the prefix instead of rewriting it; the refreshes the
+    // ski-rental budget still allows are the horizon.
+    let idle = t
+        .last_turn_at
+        .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+    let saving = rewrite - Prices::dollars(t.prefix_tokens, c.prices.cache_read);
+    let left = ((rewrite - t.keep_warm_cost) / refresh)
+        .floor()
+        .clamp(1.0, 1e4) as u32;
+    let period = c.ttl.duration().saturating_sub(c.keep_warm_lead);
+    match t
+        .gaps
+        .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
+    {
+        None => true,
+        Some(gain) => gain > 0.0,
+    }
 }
 
-/// When an idle session should be looked at again (keep-warm or eviction), if ever.
-pub fn next_check(t: &Telemetry, c: &PolicyConfig) -> Option<Instant> {
+/// When an idle session should be looked at again (keep-warm or eviction), if ever, leaving
+/// out `fired`: a check that already ran and changed nothing (a declined refresh) is not
+/// asked for again, but the next one (eviction) still is.
+pub fn next_check(t: &Telemetry, c: &PolicyConfig, fired: Option<Instant>) -> Option<Instant> {
     let keep_warm = t
         .last_cache_touch
         .filter(|_| c.keep_warm && t.prefix_tokens > 0)
@@ -303,7 +371,11 @@ pub fn next_check(t: &Telemetry, c: &PolicyConfig) -> Option<Instant> {
         .last_turn_at
         .filter(|_| t.process == Process::Running)
         .map(|at| at + c.evict_after);
-    [keep_warm, evict].into_iter().flatten().min()
+    [keep_warm, evict]
+        .into_iter()
+        .flatten()
+        .filter(|at| Some(*at) != fired)
+        .min()
 }
 
 #[cfg(test)]

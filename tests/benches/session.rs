@@ -1,37 +1,66 @@
-//! The session benchmark: the committed reference workload (`fixtures/workload/reference.json`)
-//! replayed through the real claude CLI against the mock Messages API on a virtual clock, as a
-//! live session (every restart, eviction and keep-warm decided by `session::policy::decide`)
-//! and as the rebuild baseline (a new process per batch with the doctrine and state as system
-//! prompt and 20 context lines per delivery), once with a 1-hour and once with a 5-minute TTL.
+//! The session benchmark: each committed workload (`fixtures/workload/*.json`, see
+//! `tests::workload::Shape`) replayed through the real claude CLI against the mock Messages API
+//! on a virtual clock, three ways, once with a 1-hour and once with a 5-minute cache TTL:
 //!
-//! `cargo bench -p tests --bench session` (about 5 minutes). `BATCHES=N` replays only the
-//! first N batches.
+//! - **rebuild**: a new process per batch with the doctrine and state as system prompt and 20
+//!   context lines per delivery (the old design);
+//! - **resume**: a new process per batch that resumes one session (`claude -p --resume`, its
+//!   own auto-compaction on: the CLI's defaults, the way a per-turn harness runs it);
+//! - **live**: one process fed each batch, every fresh start, compaction (by the CLI's
+//!   `/compact`), eviction and keep-warm decided by `session::policy::decide`; with 5 minutes
+//!   also without keep-warm and with keep-warm unpredicted, to show what prediction does.
+//!
+//! For each: the mock's billed cost, cache hit share, and message-to-reply latency (batch
+//! ready -> reply in hand; the mock answers after a fixed `LATENCY_MS`, default 200). For live:
+//! its schedule's cost against the hindsight optimum (fresh starts, compactions and keep-warm
+//! refreshes chosen knowing every gap and size in advance) under one cost model.
+//!
+//! `cargo bench -p tests --bench session` (all workloads, about an hour). `WORKLOADS=busy-room,
+//! quiet-dms` picks some, `BATCHES=N` replays only the first N batches of each, `TTLS=5m` one
+//! TTL. The summary tables at the end are the README's.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use session::cost::{Prices, Ttl};
-use session::driver::{refresh_fork, Cli, CliConfig};
+use session::driver::{one_shot, refresh_fork, Cli, CliConfig, Compaction};
 use session::policy::{decide, next_check, Decision, Outcome, PolicyConfig, Process, Telemetry};
 use session::render::{render, reply_schema, Seen};
 use tests::mock_api::{MockApi, MockConfig};
+use tests::workload::Shape;
 use wire::docs::{ContextLine, Delivery};
 
-/// What the offline optimum needs about one turn of a live replay.
-#[derive(Clone, Copy)]
+/// What a turn started from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reset {
+    /// The conversation so far.
+    None,
+    /// A fresh session rehydrated from the rooms' recent lines.
+    Fresh,
+    /// The conversation compacted to base + summary.
+    Compact,
+}
+
+/// What the cost model needs about one turn of a live replay.
+#[derive(Clone, Copy, Debug)]
 struct Step {
-    /// Seconds since the previous turn (or refresh) touched the cache.
+    /// Virtual seconds since the previous turn.
+    gap: u64,
+    /// Keep-warm refreshes the replay made in that gap.
+    refreshes: u32,
+    /// Seconds since the previous touch of the cache (turn or refresh).
     idle: u64,
     /// Tokens this turn added to the conversation (batch, reply).
     growth: u64,
     /// What a fresh start would have sent at this turn.
     rehydration: u64,
-    /// Whether the replay restarted here.
-    restarted: bool,
+    /// What the replay did before this turn.
+    reset: Reset,
 }
 
+/// One way's run on one workload and TTL.
 struct Report {
     label: String,
     steps: Vec<Step>,
@@ -41,8 +70,68 @@ struct Report {
     cache_read: u64,
     restarts: BTreeMap<String, usize>,
     keep_warm: usize,
+    keep_warm_cost: f64,
     evictions: usize,
-    overhead: Vec<Duration>,
+    summaries: Vec<u64>,
+    latency: Vec<Duration>,
+    base: u64,
+}
+
+impl Report {
+    fn per_turn(&self) -> f64 {
+        self.cost / self.turns.max(1) as f64
+    }
+    fn hit(&self) -> f64 {
+        self.cache_read as f64 / self.prompt_tokens.max(1) as f64
+    }
+    fn p50(&self) -> Duration {
+        let mut l = self.latency.clone();
+        l.sort();
+        l.get(l.len() / 2).copied().unwrap_or_default()
+    }
+}
+
+/// Everything one replay needs.
+struct Run<'a> {
+    w: &'a Value,
+    batches: usize,
+    ttl: Ttl,
+    latency: Duration,
+    scratch: std::path::PathBuf,
+}
+
+impl Run<'_> {
+    async fn mock(&self) -> MockApi {
+        MockApi::start(MockConfig {
+            latency: self.latency,
+            ..MockConfig::default()
+        })
+        .await
+        .expect("mock")
+    }
+
+    fn dir(&self, way: &str) -> std::path::PathBuf {
+        let dir = self.scratch.join(format!("{way}-{:?}", self.ttl));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        dir
+    }
+
+    fn batches(&self) -> impl Iterator<Item = &Value> {
+        self.w["batches"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .take(self.batches)
+    }
+
+    fn doctrine(&self) -> &str {
+        self.w["doctrine"].as_str().unwrap_or_default()
+    }
+
+    fn state(&self) -> &str {
+        self.w["state"].as_str().unwrap_or_default()
+    }
 }
 
 fn cfg(mock: &MockApi, dir: &Path, system: &Path, ttl: Ttl) -> CliConfig {
@@ -61,7 +150,7 @@ fn cfg(mock: &MockApi, dir: &Path, system: &Path, ttl: Ttl) -> CliConfig {
         resume: false,
         system_prompt_changed: false,
         max_retries: Some(1),
-        turn_timeout: Duration::from_secs(120),
+        turn_timeout: Duration::from_secs(300),
         grace: Duration::from_secs(10),
     }
 }
@@ -157,28 +246,34 @@ fn summarize(label: String, mock: &MockApi, turns: usize) -> Report {
         cache_read: ledger.iter().map(|e| e.usage.cache_read).sum(),
         restarts: BTreeMap::new(),
         keep_warm: 0,
+        keep_warm_cost: 0.0,
         evictions: 0,
-        overhead: Vec::new(),
+        summaries: Vec::new(),
+        latency: Vec::new(),
+        base: 0,
     }
 }
 
-async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
-    let mock = MockApi::start(MockConfig::default()).await.expect("mock");
-    let dir = std::env::temp_dir().join(format!(
-        "cultnet-bench-live-{}-{:?}-{keep_warm}",
-        std::process::id(),
-        ttl
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
+/// Keep-warm as the live replay runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeepWarm {
+    Off,
+    Plain,
+    Predictive,
+}
+
+async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
+    let mock = run.mock().await;
+    let ttl = run.ttl;
+    let dir = run.dir(&format!("live-{keep:?}"));
     let system = dir.join("doctrine.md");
-    std::fs::write(&system, w["doctrine"].as_str().unwrap_or_default()).expect("doctrine");
-    let state = w["state"].as_str().unwrap_or_default();
+    std::fs::write(&system, run.doctrine()).expect("doctrine");
+    let state = run.state();
     let base_cfg = cfg(&mock, &dir, &system, ttl);
     let pc = PolicyConfig {
-        ttl,
-        keep_warm,
-        ..PolicyConfig::default()
+        keep_warm: keep != KeepWarm::Off,
+        predictive: keep == KeepWarm::Predictive,
+        ..PolicyConfig::for_ttl(ttl)
     };
     let prices = Prices::default();
     let origin = Instant::now();
@@ -187,21 +282,13 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
     let mut sid: Option<String> = None;
     let mut seen = Seen::default();
     let mut timelines = Timelines::default();
-    let mut t = Telemetry {
-        rehydration_tokens: 0,
-        ..Telemetry::default()
-    };
-    let (mut restarts, mut kw, mut ev, mut overhead) = (BTreeMap::new(), 0, 0, Vec::new());
+    let base_tokens = (run.doctrine().len() / 4 + state.len() / 4) as u64;
+    let mut t = Telemetry::default();
+    let mut r = summarize(String::new(), &mock, 0);
     let mut seq = 0u64;
-    let mut steps = Vec::new();
     let mut last_touch_off = Duration::ZERO;
-    for (i, batch) in w["batches"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .take(batches)
-        .enumerate()
-    {
+    let mut last_turn_off = Duration::ZERO;
+    for (i, batch) in run.batches().enumerate() {
         // Idle until the batch arrives: keep-warm and eviction as the policy says.
         let arrive = offset + Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0));
         t.batch_waiting = false;
@@ -210,7 +297,9 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
         } else {
             Process::Stopped
         };
-        while let Some(at) = next_check(&t, &pc) {
+        let mut refreshes = 0;
+        let mut fired = None;
+        while let Some(at) = next_check(&t, &pc, fired) {
             let at_off = at.saturating_duration_since(origin);
             if at_off >= arrive || sid.is_none() {
                 break;
@@ -219,6 +308,7 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
                 mock.advance(at_off - offset);
                 offset = at_off;
             }
+            fired = Some(at);
             match decide(&t, origin + offset, &pc) {
                 Decision::KeepWarm => {
                     let before = mock.ledger().len();
@@ -228,16 +318,19 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
                     let spent: f64 = mock.ledger()[before..].iter().map(|e| e.cost).sum();
                     t.after_keep_warm(spent, origin + offset);
                     last_touch_off = offset;
-                    kw += 1;
+                    r.keep_warm += 1;
+                    r.keep_warm_cost += spent;
+                    refreshes += 1;
                 }
                 Decision::Evict => {
                     if let Some(c) = cli.take() {
                         c.shutdown(Duration::from_secs(5)).await;
                     }
                     t.process = Process::Stopped;
-                    ev += 1;
+                    r.evictions += 1;
                 }
-                _ => break,
+                // A declined refresh: the gateway looks again at the next check (eviction).
+                _ => {}
             }
         }
         if arrive > offset {
@@ -245,23 +338,58 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             offset = arrive;
         }
         let ds = deliveries(batch, &mut seq);
-        let work = Instant::now();
+        let ready = Instant::now();
+        t.batch_arrived(origin + offset);
         t.batch_waiting = true;
-        t.rehydration_tokens = (timelines.rehydration(state).len() / 4) as u64 + 24_000;
-        t.base_tokens = 24_000 + (state.len() / 4) as u64;
+        t.rehydration_tokens = (timelines.rehydration(state).len() / 4) as u64 + base_tokens;
+        t.base_tokens = base_tokens;
         let decision = if sid.is_none() {
             Decision::Continue
         } else {
             decide(&t, origin + offset, &pc)
         };
-        let fresh = match decision {
-            Decision::FreshStart(r) | Decision::Compact(r) => {
-                *restarts.entry(format!("{r:?}")).or_insert(0) += 1;
-                true
-            }
-            _ => sid.is_none(),
+        let mut reset = if sid.is_none() {
+            Reset::Fresh
+        } else {
+            Reset::None
         };
-        if fresh {
+        match decision {
+            Decision::FreshStart(why) => {
+                *r.restarts.entry(format!("fresh {why:?}")).or_insert(0) += 1;
+                reset = Reset::Fresh;
+            }
+            Decision::Compact(why) => {
+                *r.restarts.entry(format!("compact {why:?}")).or_insert(0) += 1;
+                reset = Reset::Compact;
+            }
+            _ => {}
+        }
+        if reset == Reset::Compact {
+            if cli.is_none() {
+                let mut c = base_cfg.clone();
+                c.session_id = sid.clone();
+                c.resume = true;
+                cli = Some(Cli::spawn(c).await.expect("CLI ready"));
+            }
+            let before = mock.ledger().len();
+            let compacted = match cli.as_mut() {
+                Some(c) => c.compact().await.ok().and_then(|turn| turn.compacted),
+                None => None,
+            };
+            let summary: u64 = mock.ledger()[before..].iter().map(|e| e.usage.output).sum();
+            match compacted {
+                Some(m) => {
+                    seen.clear();
+                    r.summaries.push(summary);
+                    t.after_compact(m.post_tokens, summary, origin + offset);
+                }
+                None => {
+                    eprintln!("batch {}: /compact did not compact; fresh start", i + 1);
+                    reset = Reset::Fresh;
+                }
+            }
+        }
+        if reset == Reset::Fresh {
             if let Some(c) = cli.take() {
                 c.shutdown(Duration::from_secs(5)).await;
             }
@@ -270,14 +398,13 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             t.after_fresh_start();
         }
         let mut text = render(&ds, &mut seen, &[]);
-        if fresh {
+        if reset == Reset::Fresh {
             text.push_str(&timelines.rehydration(state));
         }
-        let mut spent = work.elapsed();
         if cli.is_none() {
             let mut c = base_cfg.clone();
             c.session_id = sid.clone();
-            c.resume = !fresh;
+            c.resume = reset != Reset::Fresh;
             cli = Some(Cli::spawn(c).await.expect("CLI ready"));
         }
         mock.script(batch["reply"].clone());
@@ -285,32 +412,32 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
             unreachable!()
         };
         let turn = c.turn(&text).await.expect("turn");
-        let work = Instant::now();
         let _ = session::render::validate(
             turn.result.structured_output.as_ref(),
             &[ds[0].room_id.as_str()],
         );
+        r.latency.push(ready.elapsed());
         let last = mock.ledger().last().cloned().expect("a request");
         let u = last.usage;
-        let growth =
-            (u.prompt_tokens() + u.output).saturating_sub(if fresh { 0 } else { t.prefix_tokens });
-        steps.push(Step {
+        let before = match reset {
+            Reset::None => t.prefix_tokens,
+            Reset::Fresh => t.rehydration_tokens,
+            Reset::Compact => base_tokens + r.summaries.last().copied().unwrap_or(0),
+        };
+        r.steps.push(Step {
+            gap: (offset - last_turn_off).as_secs(),
+            refreshes,
             idle: (offset - last_touch_off).as_secs(),
-            growth: if fresh {
-                growth.saturating_sub(t.rehydration_tokens)
-            } else {
-                growth
-            },
+            growth: (u.prompt_tokens() + u.output).saturating_sub(before),
             rehydration: t.rehydration_tokens,
-            restarted: fresh,
+            reset,
         });
         last_touch_off = offset;
+        last_turn_off = offset;
         t.after_turn(&u, turn.result.outcome(), origin + offset, &prices);
         for d in &ds {
             timelines.push(d);
         }
-        spent += work.elapsed();
-        overhead.push(spent);
         if t.last_outcome != Outcome::Ok {
             eprintln!("batch {}: outcome {:?}", i + 1, t.last_outcome);
         }
@@ -318,187 +445,416 @@ async fn live(w: &Value, batches: usize, ttl: Ttl, keep_warm: bool) -> Report {
     if let Some(c) = cli.take() {
         c.shutdown(Duration::from_secs(5)).await;
     }
-    let label = format!(
-        "live, TTL {ttl:?}{}",
-        if keep_warm { ", keep-warm" } else { "" }
+    let label = match keep {
+        KeepWarm::Off => "live, no keep-warm",
+        KeepWarm::Plain => "live, keep-warm unpredicted",
+        KeepWarm::Predictive => "live",
+    };
+    let totals = summarize(
+        format!("{label}, TTL {}", ttl_name(ttl)),
+        &mock,
+        r.steps.len(),
     );
     Report {
-        steps,
-        restarts,
-        keep_warm: kw,
-        evictions: ev,
-        overhead,
-        ..summarize(label, &mock, batches)
+        label: totals.label,
+        turns: totals.turns,
+        cost: totals.cost,
+        prompt_tokens: totals.prompt_tokens,
+        cache_read: totals.cache_read,
+        base: base_tokens,
+        ..r
     }
 }
 
-/// Model cost of serving `steps` with restarts exactly where `restart[i]` says (restart before
-/// turn i: write the rehydration; otherwise read the prefix if the cache is warm, rewrite it
-/// if it expired), plus writing each turn's growth.
-fn model_cost(steps: &[Step], restart: &[bool], ttl: Ttl, p: &Prices) -> f64 {
-    let w = p.write(ttl);
-    let mut prefix = 0u64;
-    let mut cost = 0.0;
-    for (i, s) in steps.iter().enumerate() {
-        if i == 0 || restart[i] {
-            cost += Prices::dollars(s.rehydration, w);
-            prefix = s.rehydration;
-        } else if s.idle >= ttl.duration().as_secs() {
-            cost += Prices::dollars(prefix, w);
-        } else {
-            cost += Prices::dollars(prefix, p.cache_read);
+fn ttl_name(ttl: Ttl) -> &'static str {
+    match ttl {
+        Ttl::OneHour => "1h",
+        Ttl::FiveMinutes => "5m",
+    }
+}
+
+/// The cost model shared by our schedule and the optimum.
+struct Model {
+    ttl: u64,
+    p: Prices,
+    w: f64,
+    /// Base (system prompt and state) and the summary a compaction writes.
+    base: u64,
+    summary: u64,
+}
+
+impl Model {
+    fn new(ttl: Ttl, base: u64, summary: u64) -> Self {
+        let p = Prices::default();
+        Self {
+            ttl: ttl.duration().as_secs(),
+            w: p.write(ttl),
+            p,
+            base,
+            summary,
         }
-        cost += Prices::dollars(s.growth, w);
-        prefix += s.growth;
     }
-    cost
-}
 
-/// The cheapest restart schedule in hindsight for the same steps (dynamic programming over
-/// the last restart point), under the same model.
-fn optimal_cost(steps: &[Step], ttl: Ttl, p: &Prices) -> f64 {
-    let n = steps.len();
-    let w = p.write(ttl);
-    let mut best = vec![f64::INFINITY; n + 1];
-    best[0] = 0.0;
-    for k in 1..=n {
-        for j in 0..k {
-            let mut cost = best[j] + Prices::dollars(steps[j].rehydration, w);
-            let mut prefix = steps[j].rehydration;
-            for s in &steps[j..k] {
-                if !std::ptr::eq(s, &steps[j]) {
-                    cost += if s.idle >= ttl.duration().as_secs() {
-                        Prices::dollars(prefix, w)
-                    } else {
-                        Prices::dollars(prefix, p.cache_read)
-                    };
+    fn refresh(&self, prefix: u64) -> f64 {
+        Prices::dollars(prefix + 16, self.p.cache_read) + Prices::dollars(8, self.p.output)
+    }
+
+    /// Bringing a `prefix` back after `gap` seconds: a read if warm, else the cheaper of a
+    /// rewrite or enough refreshes to keep it warm (the optimum's choice; ours is given).
+    fn reach(&self, prefix: u64, gap: u64) -> f64 {
+        let read = Prices::dollars(prefix, self.p.cache_read);
+        if gap < self.ttl {
+            return read;
+        }
+        let refreshes = gap / self.ttl;
+        let kept = refreshes as f64 * self.refresh(prefix) + read;
+        kept.min(Prices::dollars(prefix, self.w))
+    }
+
+    /// A compaction of `prefix` reached with `reach` dollars: the summary as output, then base
+    /// and summary written.
+    fn compaction(&self, reach: f64) -> f64 {
+        reach
+            + Prices::dollars(self.summary, self.p.output)
+            + Prices::dollars(self.base + self.summary, self.w)
+    }
+
+    /// Cost of the schedule the replay followed.
+    fn ours(&self, steps: &[Step]) -> f64 {
+        let mut prefix = 0u64;
+        let mut cost = 0.0;
+        for s in steps {
+            cost += s.refreshes as f64 * self.refresh(prefix);
+            let reach = if s.idle < self.ttl {
+                Prices::dollars(prefix, self.p.cache_read)
+            } else {
+                Prices::dollars(prefix, self.w)
+            };
+            match s.reset {
+                Reset::Fresh => {
+                    cost += Prices::dollars(s.rehydration, self.w);
+                    prefix = s.rehydration;
                 }
-                cost += Prices::dollars(s.growth, w);
-                prefix += s.growth;
+                Reset::Compact => {
+                    cost += self.compaction(reach);
+                    prefix = self.base + self.summary;
+                }
+                Reset::None => cost += reach,
             }
-            best[k] = best[k].min(cost);
+            cost += Prices::dollars(s.growth, self.w);
+            prefix += s.growth;
         }
+        cost
     }
-    best[n]
+
+    /// The cheapest schedule in hindsight: before each turn, go on (reading, rewriting or
+    /// having kept the prefix warm), start fresh, or compact. Dynamic programming over the last
+    /// reset and its kind; the first turn always starts fresh.
+    fn optimum(&self, steps: &[Step]) -> f64 {
+        let n = steps.len();
+        if n == 0 {
+            return 0.0;
+        }
+        // best[k][kind]: cheapest cost of turns 0..k with a reset of `kind` (0 fresh,
+        // 1 compact) right before turn k, excluding turn k's own reset cost and after.
+        let mut best = vec![[f64::INFINITY; 2]; n + 1];
+        best[0][0] = 0.0;
+        let mut answer = f64::INFINITY;
+        for j in 0..n {
+            for kind in 0..2 {
+                let start = best[j][kind];
+                if !start.is_finite() {
+                    continue;
+                }
+                // The reset itself.
+                let (mut cost, mut prefix) = if kind == 0 {
+                    (
+                        start + Prices::dollars(steps[j].rehydration, self.w),
+                        steps[j].rehydration,
+                    )
+                } else {
+                    (start, self.base + self.summary)
+                };
+                cost += Prices::dollars(steps[j].growth, self.w);
+                prefix += steps[j].growth;
+                // Serve turns j+1.. without a reset, branching off a reset before each.
+                for k in j + 1..=n {
+                    if k == n {
+                        answer = answer.min(cost);
+                        break;
+                    }
+                    let reach = self.reach(prefix, steps[k].gap);
+                    best[k][0] = best[k][0].min(cost);
+                    best[k][1] = best[k][1].min(cost + self.compaction(reach));
+                    cost += reach + Prices::dollars(steps[k].growth, self.w);
+                    prefix += steps[k].growth;
+                }
+            }
+        }
+        answer
+    }
 }
 
-async fn rebuild(w: &Value, batches: usize, ttl: Ttl) -> Report {
-    let mock = MockApi::start(MockConfig::default()).await.expect("mock");
-    let dir = std::env::temp_dir().join(format!(
-        "cultnet-bench-rebuild-{}-{:?}",
-        std::process::id(),
-        ttl
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
+async fn rebuild(run: &Run<'_>) -> Report {
+    let mock = run.mock().await;
+    let dir = run.dir("rebuild");
     let system = dir.join("system.md");
     // The old design: doctrine and state in every prompt.
     std::fs::write(
         &system,
-        format!(
-            "{}\n\n## your state\n{}",
-            w["doctrine"].as_str().unwrap_or_default(),
-            w["state"].as_str().unwrap_or_default()
-        ),
+        format!("{}\n\n## your state\n{}", run.doctrine(), run.state()),
     )
     .expect("system");
-    let base = cfg(&mock, &dir, &system, ttl);
+    let base = cfg(&mock, &dir, &system, run.ttl);
     let mut timelines = Timelines::default();
-    let mut offset = Duration::ZERO;
     let mut seq = 0u64;
-    let mut overhead = Vec::new();
-    for batch in w["batches"].as_array().into_iter().flatten().take(batches) {
-        let gap = Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0));
-        mock.advance(gap);
-        offset += gap;
-        let work = Instant::now();
+    let mut latency = Vec::new();
+    let mut turns = 0;
+    for batch in run.batches() {
+        mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
+        let ready = Instant::now();
         let mut ds = deliveries(batch, &mut seq);
         for d in ds.iter_mut() {
             d.context = timelines.context(&d.room_id);
         }
         // A new process knows nothing: every context line is sent again.
         let text = render(&ds, &mut Seen::default(), &[]);
-        overhead.push(work.elapsed());
         let mut c = base.clone();
         c.session_id = Some(tests::claude_cli::new_session_id());
         let mut cli = Cli::spawn(c).await.expect("CLI ready");
         mock.script(batch["reply"].clone());
         let _ = cli.turn(&text).await.expect("turn");
+        latency.push(ready.elapsed());
         cli.shutdown(Duration::from_secs(5)).await;
         for d in &ds {
             timelines.push(d);
         }
+        turns += 1;
     }
     Report {
-        overhead,
-        ..summarize(format!("rebuild, TTL {ttl:?}"), &mock, batches)
+        latency,
+        ..summarize(format!("rebuild, TTL {}", ttl_name(run.ttl)), &mock, turns)
     }
 }
 
-fn print(r: &Report, baseline: Option<&Report>) {
-    let per_turn = r.cost / r.turns as f64;
-    let ratio = baseline
-        .map(|b| format!("{:.2}x rebuild", r.cost / b.cost))
-        .unwrap_or_else(|| "baseline".into());
-    let mut o = r.overhead.clone();
-    o.sort();
-    let p50 = o.get(o.len() / 2).copied().unwrap_or_default();
-    println!(
-        "{:32} ${:.5}/turn ({ratio}); cache hit {:.1}% of prompt tokens; restarts {:?}; keep-warm {}; evictions {}; gateway work per turn p50 {:.0} us",
-        r.label, per_turn, 100.0 * r.cache_read as f64 / r.prompt_tokens.max(1) as f64, r.restarts, r.keep_warm, r.evictions, p50.as_secs_f64() * 1e6
-    );
-    if !r.steps.is_empty() {
-        let ttl = if r.label.contains("OneHour") {
-            Ttl::OneHour
-        } else {
-            Ttl::FiveMinutes
-        };
-        let p = Prices::default();
-        let chosen: Vec<bool> = r.steps.iter().map(|s| s.restarted).collect();
-        let ours = model_cost(&r.steps, &chosen, ttl, &p);
-        let best = optimal_cost(&r.steps, ttl, &p);
-        println!(
-            "{:32} restart schedule vs hindsight optimum (same model, keep-warm aside): {:.3}x",
-            "",
-            ours / best
-        );
+/// A new process per batch resuming one session, with the CLI's defaults (its own
+/// auto-compaction): the first batch carries her state and the rooms' lines like a fresh start.
+async fn resume(run: &Run<'_>) -> Report {
+    let mock = run.mock().await;
+    let dir = run.dir("resume");
+    let system = dir.join("doctrine.md");
+    std::fs::write(&system, run.doctrine()).expect("doctrine");
+    let base = cfg(&mock, &dir, &system, run.ttl);
+    let sid = tests::claude_cli::new_session_id();
+    let mut timelines = Timelines::default();
+    let mut seen = Seen::default();
+    let mut seq = 0u64;
+    let mut latency = Vec::new();
+    let mut turns = 0;
+    let mut failures = 0;
+    for (i, batch) in run.batches().enumerate() {
+        mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
+        let ready = Instant::now();
+        let ds = deliveries(batch, &mut seq);
+        let mut text = render(&ds, &mut seen, &[]);
+        if i == 0 {
+            text.push_str(&timelines.rehydration(run.state()));
+        }
+        mock.script(batch["reply"].clone());
+        match one_shot(&base, &sid, i > 0, &text, Compaction::Cli).await {
+            Ok(r) if !r.is_error => {}
+            Ok(r) => {
+                failures += 1;
+                eprintln!("resume batch {}: {:?}", i + 1, r.errors);
+            }
+            Err(e) => {
+                failures += 1;
+                eprintln!("resume batch {}: {e}", i + 1);
+            }
+        }
+        latency.push(ready.elapsed());
+        for d in &ds {
+            timelines.push(d);
+        }
+        turns += 1;
     }
+    let mut r = summarize(
+        format!("resume per turn, TTL {}", ttl_name(run.ttl)),
+        &mock,
+        turns,
+    );
+    if failures > 0 {
+        r.restarts.insert("failed turns".into(), failures);
+    }
+    // Compactions the CLI made by itself: its summary requests.
+    let compactions = mock
+        .ledger()
+        .iter()
+        .filter(|e| e.last_user_text.contains("Respond with TEXT ONLY"))
+        .count();
+    if compactions > 0 {
+        r.restarts.insert("CLI compactions".into(), compactions);
+    }
+    r.latency = latency;
+    r
+}
+
+fn print(r: &Report, baseline: &Report) {
+    println!(
+        "  {:36} ${:.5}/turn ({:.2}x rebuild); cache hit {:.1}%; latency p50 {:.0} ms; resets {:?}; keep-warm {} (${:.4}); evictions {}",
+        r.label,
+        r.per_turn(),
+        r.cost / baseline.cost,
+        100.0 * r.hit(),
+        r.p50().as_secs_f64() * 1e3,
+        r.restarts,
+        r.keep_warm,
+        r.keep_warm_cost,
+        r.evictions
+    );
+}
+
+/// One row of the summary: a workload at a TTL.
+struct Row {
+    workload: &'static str,
+    ttl: Ttl,
+    rebuild: Report,
+    resume: Report,
+    live: Report,
+    /// With 5 minutes: live without keep-warm and with it unpredicted.
+    off: Option<Report>,
+    plain: Option<Report>,
+}
+
+fn optimum_ratio(r: &Report, ttl: Ttl) -> f64 {
+    let summary = if r.summaries.is_empty() {
+        PolicyConfig::default().compact_summary_tokens
+    } else {
+        r.summaries.iter().sum::<u64>() / r.summaries.len() as u64
+    };
+    let m = Model::new(ttl, r.base, summary);
+    m.ours(&r.steps) / m.optimum(&r.steps)
 }
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let path: PathBuf = [
-        env!("CARGO_MANIFEST_DIR"),
-        "..",
-        "fixtures",
-        "workload",
-        "reference.json",
-    ]
-    .iter()
-    .collect();
-    let w: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("reference workload"))
-            .expect("workload JSON");
-    let n = std::env::var("BATCHES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(usize::MAX)
-        .min(w["batches"].as_array().map_or(0, |b| b.len()));
+    let shapes: Vec<Shape> = match std::env::var("WORKLOADS") {
+        Ok(v) => v
+            .split(',')
+            .map(|n| Shape::from_name(n.trim()).expect("a workload name"))
+            .collect(),
+        Err(_) => Shape::ALL.to_vec(),
+    };
+    let ttls: Vec<Ttl> = match std::env::var("TTLS").as_deref() {
+        Ok("1h") => vec![Ttl::OneHour],
+        Ok("5m") => vec![Ttl::FiveMinutes],
+        _ => vec![Ttl::OneHour, Ttl::FiveMinutes],
+    };
+    let only = std::env::var("BATCHES").ok().and_then(|v| v.parse().ok());
+    let latency = Duration::from_millis(
+        std::env::var("LATENCY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200),
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
+    let scratch =
+        std::env::temp_dir().join(format!("cultnet-bench-session-{}", std::process::id()));
+    let mut rows = Vec::new();
     rt.block_on(async {
-        for ttl in [Ttl::OneHour, Ttl::FiveMinutes] {
-            let base = rebuild(&w, n, ttl).await;
-            print(&base, None);
-            let plain = live(&w, n, ttl, false).await;
-            print(&plain, Some(&base));
-            let warm = live(&w, n, ttl, true).await;
-            print(&warm, Some(&base));
+        for shape in shapes {
+            let w = tests::workload::load(shape).expect("committed workload");
+            let n = only.unwrap_or(usize::MAX).min(shape.batches());
+            println!("{} ({n} batches)", shape.name());
+            for &ttl in &ttls {
+                let run = Run {
+                    w: &w,
+                    batches: n,
+                    ttl,
+                    latency,
+                    scratch: scratch.join(shape.name()),
+                };
+                let rebuild = rebuild(&run).await;
+                print(&rebuild, &rebuild);
+                let resume = resume(&run).await;
+                print(&resume, &rebuild);
+                let live_r = live(&run, KeepWarm::Predictive).await;
+                print(&live_r, &rebuild);
+                println!(
+                    "  {:36} schedule vs hindsight optimum (keep-warm included): {:.3}x; summaries {:?}",
+                    "",
+                    optimum_ratio(&live_r, ttl),
+                    live_r.summaries
+                );
+                let (mut off, mut plain) = (None, None);
+                if ttl == Ttl::FiveMinutes {
+                    let o = live(&run, KeepWarm::Off).await;
+                    print(&o, &rebuild);
+                    let p = live(&run, KeepWarm::Plain).await;
+                    print(&p, &rebuild);
+                    off = Some(o);
+                    plain = Some(p);
+                }
+                rows.push(Row {
+                    workload: shape.name(),
+                    ttl,
+                    rebuild,
+                    resume,
+                    live: live_r,
+                    off,
+                    plain,
+                });
+            }
         }
     });
+    let _ = std::fs::remove_dir_all(&scratch);
+    println!();
+    println!("| workload | TTL | rebuild $/turn | resume $/turn | live $/turn | live / rebuild | live / resume | live / optimum | live hit | latency p50 live / resume / rebuild | live resets |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.5} | {:.5} | {:.5} | {:.2}x | {:.2}x | {:.3}x | {:.1}% | {:.0} / {:.0} / {:.0} ms | {} |",
+            r.workload,
+            ttl_name(r.ttl),
+            r.rebuild.per_turn(),
+            r.resume.per_turn(),
+            r.live.per_turn(),
+            r.live.cost / r.rebuild.cost,
+            r.live.cost / r.resume.cost,
+            optimum_ratio(&r.live, r.ttl),
+            100.0 * r.live.hit(),
+            r.live.p50().as_secs_f64() * 1e3,
+            r.resume.p50().as_secs_f64() * 1e3,
+            r.rebuild.p50().as_secs_f64() * 1e3,
+            r.live
+                .restarts
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    println!();
+    println!("| workload (5 min) | no keep-warm $ | keep-warm unpredicted $ (refreshes) | predictive $ (refreshes) |");
+    println!("|---|---|---|---|");
+    for r in rows.iter().filter(|r| r.ttl == Ttl::FiveMinutes) {
+        if let (Some(off), Some(plain)) = (&r.off, &r.plain) {
+            println!(
+                "| {} | {:.4} | {:.4} ({}) | {:.4} ({}) |",
+                r.workload, off.cost, plain.cost, plain.keep_warm, r.live.cost, r.live.keep_warm
+            );
+        }
+    }
+    let summaries: Vec<u64> = rows.iter().flat_map(|r| r.live.summaries.clone()).collect();
+    println!();
+    println!(
+        "compaction summaries measured (tokens): {summaries:?}; the policy's guess before any: {}",
+        PolicyConfig::default().compact_summary_tokens
+    );
 }

@@ -11,7 +11,8 @@
 //!   with `ttl: "1h"`) after its last hit.
 //! - **Billing**: a deterministic token count (3 per block + a quarter of its bytes), usage
 //!   reported like the API (input, cache reads, writes by TTL, output) and a ledger entry per
-//!   request with its cost under [`session::cost::Prices`].
+//!   request with its cost under [`session::cost::Prices`] (per model when
+//!   [`MockConfig::model_prices`] names it). A fixed latency per answer on demand.
 //! - **Faults** on demand (HTTP 400 prompt too long, 529 overloaded, 500, delays), and a 400
 //!   when the prompt exceeds the context window.
 //! - **Credentials**: with [`MockApi::accept_keys`] set, a request whose `x-api-key` (API key)
@@ -22,9 +23,16 @@
 //!
 //! Replies: the `StructuredOutput` tool is answered with the next scripted input
 //! ([`MockApi::script`]) or `{"say": []}`; without tools, a short text; a compaction's summary
-//! request ("Respond with TEXT ONLY"), with or without tools, [`SUMMARY`] in `<summary>` tags.
+//! request ("Respond with TEXT ONLY"), with or without tools, [`SUMMARY`] in `<summary>` tags,
+//! padded to a share of the prompt it summarizes ([`MockConfig::summary_share`]).
 
-/// The mock's answer to a compaction's summary request (inside `<summary>` tags).
+/// Smallest compaction summary the mock writes (tokens).
+pub const SUMMARY_MIN_TOKENS: u64 = 200;
+/// Largest compaction summary the mock writes (tokens).
+pub const SUMMARY_MAX_TOKENS: u64 = 8_000;
+
+/// The mock's answer to a compaction's summary request (inside `<summary>` tags), padded to
+/// its size with numbered recollections.
 pub const SUMMARY: &str = "Earlier: chat in her rooms, answered; nothing is pending.";
 
 use std::collections::{HashMap, VecDeque};
@@ -48,10 +56,18 @@ pub struct MockConfig {
     pub min_cacheable_tokens: u64,
     /// Prompts longer than this get HTTP 400 prompt too long.
     pub context_window: u64,
-    /// Prices for the ledger.
+    /// Prices for the ledger, for models not in `model_prices`.
     pub prices: Prices,
+    /// Prices for the ledger by exact model name.
+    pub model_prices: Vec<(String, Prices)>,
     /// Answer unscripted structured replies with [`respond`] instead of `{"say": []}`.
     pub responder: bool,
+    /// Every answer waits this long first (a model's fixed latency; a `Delay` fault replaces
+    /// it for its request).
+    pub latency: Duration,
+    /// A compaction's summary is this share of the prompt it summarizes (in tokens), within
+    /// [`SUMMARY_MIN_TOKENS`, `SUMMARY_MAX_TOKENS`]: a real summary grows with what it covers.
+    pub summary_share: f64,
 }
 
 impl Default for MockConfig {
@@ -60,7 +76,10 @@ impl Default for MockConfig {
             min_cacheable_tokens: 1024,
             context_window: 200_000,
             prices: Prices::default(),
+            model_prices: Vec::new(),
             responder: false,
+            latency: Duration::ZERO,
+            summary_share: 0.03,
         }
     }
 }
@@ -343,7 +362,7 @@ fn answer(
     let total: u64 = blocks.iter().map(|b| b.tokens).sum();
     let last_user_text = last_user_text(req);
     let hashes: Vec<u64> = blocks.iter().map(|b| b.prefix_hash).collect();
-    let mut delay = None;
+    let mut delay = (!st.cfg.latency.is_zero()).then_some(st.cfg.latency);
     let mut fault = st.faults.pop_front();
     while let Some(Fault::Delay(d)) = fault {
         delay = Some(d);
@@ -412,7 +431,15 @@ fn answer(
         )
     } else {
         let text = if summary {
-            format!("<summary>{SUMMARY}</summary>")
+            let tokens = ((total as f64 * st.cfg.summary_share) as u64)
+                .clamp(SUMMARY_MIN_TOKENS, SUMMARY_MAX_TOKENS);
+            let mut body = SUMMARY.to_owned();
+            let mut i = 0;
+            while (body.len() as u64) / 4 + 5 < tokens {
+                i += 1;
+                body.push_str(&format!(" Recollection {i}: a line she answered."));
+            }
+            format!("<summary>{body}</summary>")
         } else {
             "ok".to_owned()
         };
@@ -424,7 +451,13 @@ fn answer(
         )
     };
     usage.output = 3 + out_text.len() as u64 / 4;
-    let cost = usage.cost(&st.cfg.prices);
+    let prices = st
+        .cfg
+        .model_prices
+        .iter()
+        .find(|(m, _)| *m == model)
+        .map_or(st.cfg.prices, |(_, p)| *p);
+    let cost = usage.cost(&prices);
     events.push(json!({"type": "message_start", "message": {
         "id": format!("msg_mock_{n}"), "type": "message", "role": "assistant", "model": model,
         "content": [], "stop_reason": null, "stop_sequence": null,

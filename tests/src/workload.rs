@@ -50,14 +50,6 @@ pub fn generate(seed: u64, batches: usize) -> Value {
         .collect();
     let state = words(&mut r, 5200);
     let rooms = ["!lobby:localhost", "!garden:localhost", "!forge:localhost"];
-    let users = [
-        "@ada:localhost",
-        "@bo:localhost",
-        "@cy:localhost",
-        "@di:localhost",
-        "@eve:localhost",
-        "@fay:localhost",
-    ];
     let mut out = Vec::new();
     for b in 0..batches {
         let p = r.range(1, 100);
@@ -76,7 +68,7 @@ pub fn generate(seed: u64, batches: usize) -> Value {
                 let (room, sender) = if direct {
                     ("!ops-dm:localhost", "@operator:localhost")
                 } else {
-                    (room, users[r.next() as usize % users.len()])
+                    (room, USERS[r.next() as usize % USERS.len()])
                 };
                 json!({"room": room, "direct": direct, "sender": sender, "text": words(&mut r, 160)})
             })
@@ -91,20 +83,288 @@ pub fn generate(seed: u64, batches: usize) -> Value {
     json!({"seed": seed, "doctrine": doctrine.join("\n"), "state": state, "batches": out})
 }
 
+/// The committed workloads of the session benchmark, each a seeded shape of a Persona's day.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// The reference: a mix of rooms and an operator's DMs (see the module docs).
+    Reference,
+    /// An operator DMs her now and then: one line, long silences, short follow-ups.
+    QuietDms,
+    /// One busy room: 2-5 lines a batch, most gaps under a minute and a half.
+    BusyRoom,
+    /// Bursts of chat in the day (gaps of seconds) and long pauses, one of them a night.
+    BurstyDay,
+    /// One long conversation in a DM, pasted documents of ~3.5k tokens a batch: it fills the
+    /// 200k window twice over, so compaction is the policy's choice.
+    LongConversation,
+    /// Many short DMs across thirty rooms: one or two lines, gaps of minutes.
+    ManyDms,
+}
+
+impl Shape {
+    /// Every shape, in the benchmark's order.
+    pub const ALL: [Shape; 6] = [
+        Shape::Reference,
+        Shape::QuietDms,
+        Shape::BusyRoom,
+        Shape::BurstyDay,
+        Shape::LongConversation,
+        Shape::ManyDms,
+    ];
+
+    /// The file name (without `.json`) under `fixtures/workload/`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Reference => "reference",
+            Shape::QuietDms => "quiet-dms",
+            Shape::BusyRoom => "busy-room",
+            Shape::BurstyDay => "bursty-day",
+            Shape::LongConversation => "long-conversation",
+            Shape::ManyDms => "many-dms",
+        }
+    }
+
+    /// The shape a name stands for.
+    pub fn from_name(name: &str) -> Option<Shape> {
+        Shape::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// Its seed.
+    pub fn seed(self) -> u64 {
+        match self {
+            Shape::Reference => REFERENCE_SEED,
+            other => REFERENCE_SEED ^ (0x1000 * other as u64),
+        }
+    }
+
+    /// Its number of batches.
+    pub fn batches(self) -> usize {
+        match self {
+            Shape::Reference => REFERENCE_BATCHES,
+            Shape::QuietDms => 40,
+            Shape::BusyRoom => 100,
+            Shape::BurstyDay => 100,
+            Shape::LongConversation => 110,
+            Shape::ManyDms => 80,
+        }
+    }
+
+    /// The committed workload's path.
+    pub fn path(self) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fixtures/workload")
+            .join(format!("{}.json", self.name()))
+    }
+
+    /// Generates it.
+    pub fn generate(self) -> Value {
+        match self {
+            Shape::Reference => generate(self.seed(), self.batches()),
+            _ => generate_shape(self),
+        }
+    }
+}
+
+/// One batch as a shape draws it.
+struct Draw {
+    gap: u64,
+    room: String,
+    direct: bool,
+    senders: Vec<&'static str>,
+    line_bytes: usize,
+}
+
+const USERS: [&str; 6] = [
+    "@ada:localhost",
+    "@bo:localhost",
+    "@cy:localhost",
+    "@di:localhost",
+    "@eve:localhost",
+    "@fay:localhost",
+];
+
+fn draw(shape: Shape, r: &mut Rng, b: usize) -> Draw {
+    let user = |r: &mut Rng| USERS[r.next() as usize % USERS.len()];
+    match shape {
+        Shape::QuietDms => Draw {
+            // Half the messages follow up within minutes; the rest come after 20 min - 8 h.
+            gap: if r.range(1, 2) == 1 {
+                r.range(20, 240)
+            } else {
+                r.range(1200, 28_800)
+            },
+            room: "!ops-dm:localhost".into(),
+            direct: true,
+            senders: vec!["@operator:localhost"],
+            line_bytes: r.range(80, 400) as usize,
+        },
+        Shape::BusyRoom => {
+            let n = r.range(2, 5) as usize;
+            Draw {
+                gap: if r.range(1, 10) <= 9 {
+                    r.range(5, 90)
+                } else {
+                    r.range(120, 600)
+                },
+                room: "!lobby:localhost".into(),
+                direct: false,
+                senders: (0..n).map(|_| user(r)).collect(),
+                line_bytes: r.range(60, 240) as usize,
+            }
+        }
+        Shape::BurstyDay => {
+            // Bursts of 10-25 batches; between bursts 1-5 h, and a night of 8-10 h midway.
+            let pause = b > 0 && r.range(1, 15) == 1;
+            let gap = if b == 50 {
+                r.range(28_800, 36_000)
+            } else if pause {
+                r.range(3600, 18_000)
+            } else {
+                r.range(5, 60)
+            };
+            let n = r.range(1, 4) as usize;
+            let rooms = ["!lobby:localhost", "!garden:localhost"];
+            Draw {
+                gap,
+                room: rooms[r.next() as usize % 2].into(),
+                direct: false,
+                senders: (0..n).map(|_| user(r)).collect(),
+                line_bytes: r.range(80, 240) as usize,
+            }
+        }
+        Shape::LongConversation => Draw {
+            gap: r.range(30, 240),
+            room: "!study-dm:localhost".into(),
+            direct: true,
+            senders: vec!["@operator:localhost"],
+            line_bytes: r.range(12_000, 16_000) as usize,
+        },
+        Shape::ManyDms => {
+            let who = r.range(0, 29);
+            let n = r.range(1, 2) as usize;
+            Draw {
+                gap: r.range(60, 1200),
+                room: format!("!dm-{who}:localhost"),
+                direct: true,
+                senders: vec![USERS[who as usize % USERS.len()]; n],
+                line_bytes: r.range(40, 200) as usize,
+            }
+        }
+        Shape::Reference => unreachable!("the reference keeps its own generator"),
+    }
+}
+
+fn generate_shape(shape: Shape) -> Value {
+    let seed = shape.seed();
+    let mut r = Rng(seed | 1);
+    let doctrine: Vec<String> = (0..1100)
+        .map(|i| format!("Clause {i}: {}.", words(&mut r, 70)))
+        .collect();
+    let state = words(&mut r, 5200);
+    let mut out = Vec::new();
+    for b in 0..shape.batches() {
+        let d = draw(shape, &mut r, b);
+        let deliveries: Vec<Value> = d
+            .senders
+            .iter()
+            .map(|sender| {
+                json!({"room": d.room, "direct": d.direct, "sender": sender, "text": words(&mut r, d.line_bytes)})
+            })
+            .collect();
+        let reply_bytes = r.range(300, 800) as usize;
+        let reply = json!({"say": [{"room": d.room, "text": words(&mut r, reply_bytes)}]});
+        out.push(
+            json!({"batch": b + 1, "gap_secs": d.gap, "deliveries": deliveries, "reply": reply}),
+        );
+    }
+    json!({"name": shape.name(), "seed": seed, "doctrine": doctrine.join("\n"), "state": state, "batches": out})
+}
+
+/// Loads a committed workload.
+pub fn load(shape: Shape) -> Result<Value, String> {
+    let path = shape.path();
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn committed_reference_matches_its_seed() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../fixtures/workload/reference.json"
+    fn committed_workloads_match_their_seeds() {
+        for shape in Shape::ALL {
+            let committed = load(shape).unwrap();
+            assert!(
+                committed == shape.generate(),
+                "{} differs from its seed: regenerate with `cargo run -p tests --example gen_workload`",
+                shape.name()
+            );
+        }
+        // The reference keeps the exact output it had before the other shapes came.
+        assert_eq!(
+            load(Shape::Reference).unwrap(),
+            generate(REFERENCE_SEED, REFERENCE_BATCHES)
         );
-        let committed: Value =
-            serde_json::from_str(&std::fs::read_to_string(path).expect("reference workload"))
-                .unwrap();
-        assert_eq!(committed, generate(REFERENCE_SEED, REFERENCE_BATCHES));
+    }
+
+    fn gaps(w: &Value) -> Vec<u64> {
+        w["batches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["gap_secs"].as_u64().unwrap())
+            .collect()
+    }
+
+    fn delivered_tokens(w: &Value) -> usize {
+        w["batches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|b| b["deliveries"].as_array().unwrap())
+            .map(|d| d["text"].as_str().unwrap().len() / 4)
+            .sum()
+    }
+
+    #[test]
+    fn shapes_differ_as_named() {
+        let quiet = Shape::QuietDms.generate();
+        let q = gaps(&quiet);
+        assert!(q.iter().filter(|g| **g >= 1200).count() >= 12, "{q:?}");
+        let busy = Shape::BusyRoom.generate();
+        let b = gaps(&busy);
+        assert!(
+            b.iter().filter(|g| **g <= 90).count() * 10 >= b.len() * 8,
+            "{b:?}"
+        );
+        let bursty = gaps(&Shape::BurstyDay.generate());
+        assert!(bursty.iter().any(|g| *g >= 28_800), "a night");
+        assert!(bursty.iter().filter(|g| **g >= 3600).count() >= 3, "pauses");
+        let long = Shape::LongConversation.generate();
+        // Fills the 177k blocking limit at least twice over.
+        assert!(
+            delivered_tokens(&long) > 2 * 177_000,
+            "{}",
+            delivered_tokens(&long)
+        );
+        let many = Shape::ManyDms.generate();
+        let rooms: std::collections::BTreeSet<&str> = many["batches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["deliveries"][0]["room"].as_str().unwrap())
+            .collect();
+        assert!(rooms.len() >= 20, "{}", rooms.len());
+        for shape in Shape::ALL {
+            assert_eq!(Shape::from_name(shape.name()), Some(shape));
+            assert_eq!(
+                gaps(&shape.generate()).len(),
+                shape.batches(),
+                "{}",
+                shape.name()
+            );
+        }
     }
 
     #[test]

@@ -57,8 +57,28 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
     let scene = Scene::new("operate-metrics", Limits::Relaxed).await;
     let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
     let lobby = public_room(ann, "om-lobby").await;
-    let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
+    // Her model is priced by her config, reads at 0.05x: the mock bills by its own table.
+    let mock = MockApi::start(MockConfig {
+        model_prices: vec![(
+            "claude-sonnet-4-6".into(),
+            session::cost::Prices {
+                input: 2.0,
+                cache_write_5m: 2.5,
+                cache_write_1h: 4.0,
+                cache_read: 0.1,
+                output: 10.0,
+            },
+        )],
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(
+        &dir,
+        &mock,
+        800,
+        "prices = { input = 2.0, cache_read_ratio = 0.05 }",
+    );
     // Turns only on request, so the pending mail can be seen before it is answered.
     let session = tests::live::turns_on_request(&session);
     let heart = SigningKey::from_bytes(&[21; 32]);
@@ -194,7 +214,13 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
             "cultnet_gateway_tokens_total{kind=\"cache_write\",persona=\"vera\"}"
         ) > 0.0
     );
-    assert!(value(&m, "cultnet_gateway_cost_usd_total{persona=\"vera\"}") > 0.0);
+    // The cost she reports is the mock's bill within 1%.
+    let reported = value(&m, "cultnet_gateway_cost_usd_total{persona=\"vera\"}");
+    let billed: f64 = mock.ledger().iter().map(|e| e.cost).sum();
+    assert!(
+        billed > 0.0 && (reported - billed).abs() <= 0.01 * billed,
+        "reported ${reported} vs billed ${billed}"
+    );
     assert!(
         value(
             &m,

@@ -24,6 +24,7 @@ fn base(now: Instant) -> Telemetry {
         last_turn_at: Some(now - Duration::from_secs(10)),
         excess_read_cost: 0.0,
         keep_warm_cost: 0.0,
+        ..Telemetry::default()
     }
 }
 
@@ -69,10 +70,16 @@ fn after_a_compaction_the_session_continues_from_its_new_size() {
         decide(&t, now, &cfg()),
         Decision::Compact(Reason::PromptTooLong)
     );
-    t.after_compact(27_000, now);
+    assert_eq!(t.summary_tokens(&cfg()), cfg().compact_summary_tokens);
+    t.after_compact(27_000, 2_000, now);
     assert_eq!(
         (t.prefix_tokens, t.last_outcome, t.excess_read_cost),
         (27_000, Outcome::Ok, 0.0)
+    );
+    assert_eq!(
+        t.summary_tokens(&cfg()),
+        2_000,
+        "learned from the one measured"
     );
     assert!(warm(&t, &cfg(), now));
     assert_eq!(decide(&t, now, &cfg()), Decision::Continue);
@@ -175,6 +182,8 @@ fn keep_warm_window_and_budget() {
         ..cfg()
     };
     assert_eq!(decide(&t, fire, &off), Decision::Continue);
+    // Too few gaps known: prediction stays out of it.
+    assert!(t.gaps.p_within(Duration::ZERO, c.ttl.duration()).is_none());
     // A waiting batch is a turn, not a refresh.
     t.batch_waiting = true;
     assert_eq!(decide(&t, fire, &c), Decision::Continue);
@@ -211,20 +220,23 @@ fn next_check_is_the_earliest_idle_rule() {
     let mut t = base(now);
     t.batch_waiting = false;
     let touch = t.last_cache_touch.unwrap();
+    let keep_warm_at = touch + c.ttl.duration() - c.keep_warm_lead;
+    assert_eq!(next_check(&t, &c, None), Some(keep_warm_at));
+    // A declined refresh is not asked for again; eviction still comes.
     assert_eq!(
-        next_check(&t, &c),
-        Some(touch + c.ttl.duration() - c.keep_warm_lead)
+        next_check(&t, &c, Some(keep_warm_at)),
+        Some(t.last_turn_at.unwrap() + c.evict_after)
     );
     let off = PolicyConfig {
         keep_warm: false,
         ..cfg()
     };
     assert_eq!(
-        next_check(&t, &off),
+        next_check(&t, &off, None),
         Some(t.last_turn_at.unwrap() + c.evict_after)
     );
     t.process = Process::Stopped;
-    assert_eq!(next_check(&t, &off), None);
+    assert_eq!(next_check(&t, &off, None), None);
 }
 
 /// A trace of turns, each adding `growth` tokens to a warm session (gaps short of the TTL).
@@ -248,6 +260,7 @@ fn policy_cost(growth: &[u64], rehydration: u64, c: &PolicyConfig) -> (f64, usiz
             last_turn_at: Some(now),
             excess_read_cost: excess,
             keep_warm_cost: 0.0,
+            ..Telemetry::default()
         };
         let turn = match decide(&t, now, c) {
             Decision::FreshStart(Reason::SkiRental) => {
@@ -336,4 +349,156 @@ fn keep_warm_defaults_follow_the_benchmark() {
         PolicyConfig::for_ttl(Ttl::FiveMinutes).ttl,
         Ttl::FiveMinutes
     );
+}
+
+#[test]
+fn the_summary_size_is_the_mean_of_the_last_compactions() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    for s in [9_000, 1_000, 2_000, 3_000, 6_000] {
+        t.after_compact(30_000, s, now);
+    }
+    // The oldest (9,000) has fallen out: (1+2+3+6)/4 = 3,000.
+    assert_eq!(t.summaries.len(), Telemetry::SUMMARIES_KEPT);
+    assert_eq!(t.summary_tokens(&c), 3_000);
+    // And the compaction's price follows it.
+    let small = compact_cost(&t, &c, now);
+    t.summaries = vec![20_000];
+    assert!(compact_cost(&t, &c, now) > small);
+}
+
+#[test]
+fn ski_rental_shrinks_the_cheaper_way() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    // Long timelines make a fresh start dear; a small learned summary makes compaction cheap.
+    t.prefix_tokens = 130_000;
+    t.rehydration_tokens = 100_000;
+    t.summaries = vec![1_000];
+    t.excess_read_cost = rebuild_cost(&t, &c);
+    assert!(compact_cost(&t, &c, now) < rebuild_cost(&t, &c));
+    assert_eq!(decide(&t, now, &c), Decision::Compact(Reason::SkiRental));
+}
+
+/// An idle session at its keep-warm point whose gaps are all `gap` long.
+fn idle_with_gaps(now: Instant, c: &PolicyConfig, gap: u64) -> Telemetry {
+    let mut t = base(now);
+    t.batch_waiting = false;
+    t.last_cache_touch = Some(now + c.keep_warm_lead - c.ttl.duration());
+    t.last_turn_at = t.last_cache_touch;
+    for _ in 0..GapModel::MIN_GAPS {
+        t.gaps.observe(Duration::from_secs(gap));
+    }
+    t
+}
+
+#[test]
+fn predictive_keep_warm_refreshes_only_when_a_batch_is_likely() {
+    let now = Instant::now();
+    for ttl in [Ttl::FiveMinutes, Ttl::OneHour] {
+        let c = PolicyConfig {
+            keep_warm: true,
+            ..PolicyConfig::for_ttl(ttl)
+        };
+        let idle = c.ttl.duration() - c.keep_warm_lead;
+        // Her gaps end within the refreshed entry's life: refresh.
+        let soon = idle.as_secs() + 30;
+        let t = idle_with_gaps(now, &c, soon);
+        assert_eq!(decide(&t, now, &c), Decision::KeepWarm, "{ttl:?}");
+        // Her gaps all outlast what the refresh budget can cover: refreshes would be thrown
+        // away.
+        let late = idle.as_secs() + 30 * c.ttl.duration().as_secs();
+        let t = idle_with_gaps(now, &c, late);
+        assert_eq!(decide(&t, now, &c), Decision::Continue, "{ttl:?}");
+        // The plain rule refreshes either way.
+        let plain = PolicyConfig {
+            predictive: false,
+            ..c.clone()
+        };
+        assert_eq!(decide(&t, now, &plain), Decision::KeepWarm, "{ttl:?}");
+    }
+}
+
+#[test]
+fn predictive_keep_warm_weighs_the_chance_against_the_price() {
+    let now = Instant::now();
+    let c = PolicyConfig {
+        keep_warm: true,
+        ..PolicyConfig::for_ttl(Ttl::FiveMinutes)
+    };
+    let idle = (c.ttl.duration() - c.keep_warm_lead).as_secs();
+    let rewrite_saving = |t: &Telemetry| {
+        Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, &c))
+            - Prices::dollars(t.prefix_tokens, c.prices.cache_read)
+    };
+    // Every other gap ends soon after the keep-warm point (or none do), the rest far later.
+    let at = |half: bool| {
+        let mut t = idle_with_gaps(now, &c, idle + 30);
+        t.gaps = GapModel::default();
+        for i in 0..100 {
+            let g = if half && i % 2 == 0 {
+                idle + 30
+            } else {
+                idle + 5_000
+            };
+            t.gaps.observe(Duration::from_secs(g));
+        }
+        t
+    };
+    let t = at(true);
+    let p = t
+        .gaps
+        .p_within(
+            Duration::from_secs(idle),
+            Duration::from_secs(idle) + c.ttl.duration(),
+        )
+        .unwrap();
+    assert!(p * rewrite_saving(&t) > refresh_cost(&t, &c));
+    assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
+    // With one short gap sixty gaps back the expected saving is below the price.
+    let mut t = at(false);
+    t.gaps.observe(Duration::from_secs(idle + 30));
+    for _ in 0..60 {
+        t.gaps.observe(Duration::from_secs(idle + 5_000));
+    }
+    let p = t
+        .gaps
+        .p_within(
+            Duration::from_secs(idle),
+            Duration::from_secs(idle) + c.ttl.duration(),
+        )
+        .unwrap();
+    assert!(
+        p > 0.0 && p * rewrite_saving(&t) < refresh_cost(&t, &c),
+        "{p}"
+    );
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+}
+
+#[test]
+fn a_batch_books_its_gap() {
+    let now = Instant::now();
+    let mut t = Telemetry::default();
+    t.batch_arrived(now);
+    assert!(t.gaps.is_empty(), "no turn yet: no gap");
+    t.last_turn_at = Some(now);
+    t.batch_arrived(now + Duration::from_secs(90));
+    assert_eq!(t.gaps.len(), 1);
+}
+
+#[test]
+fn predictive_keep_warm_looks_past_the_next_refresh() {
+    let now = Instant::now();
+    let c = PolicyConfig {
+        keep_warm: true,
+        ..PolicyConfig::for_ttl(Ttl::OneHour)
+    };
+    // Every gap is two and a half hours: the next refresh alone never reaches one, three do.
+    let t = idle_with_gaps(now, &c, 9_000);
+    let idle = c.ttl.duration() - c.keep_warm_lead;
+    let p = t.gaps.p_within(idle, idle + c.ttl.duration()).unwrap();
+    assert_eq!(p, 0.0);
+    assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
 }
