@@ -232,15 +232,19 @@ fn command_with(cfg: &CliConfig, compaction: Compaction) -> Result<Command, Driv
 /// Keep-warm: one forked, unpersisted request on `session_id` (`--resume <id> --fork-session
 /// --no-session-persistence`). It repeats the session's history byte for byte, so it reads and
 /// refreshes the cache entry, and leaves the session's transcript untouched.
+///
+/// Each ping's text is new: a cache read refreshes only the entry it hits, the longest one,
+/// and a repeated ping would hit the entry the previous refresh wrote (history + ping) and let
+/// the conversation's own entry expire under it.
 pub async fn refresh_fork(cfg: &CliConfig, session_id: &str) -> Result<ResultEvent, DriverError> {
     let mut cmd = command(cfg)?;
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
     cmd.arg("--resume")
         .arg(session_id)
-        .args([
-            "--fork-session",
-            "--no-session-persistence",
-            "keep-warm ping",
-        ])
+        .args(["--fork-session", "--no-session-persistence"])
+        .arg(format!("keep-warm ping {nonce:x}"))
         .stdin(Stdio::null());
     run_once(cfg, cmd, None).await
 }

@@ -270,9 +270,16 @@ pub fn compact_cost(t: &Telemetry, c: &PolicyConfig, now: Instant) -> f64 {
         + Prices::dollars(t.base_tokens + summary, p.write(c.ttl))
 }
 
-/// Dollars one keep-warm refresh costs: a read of the prefix (plus a few tokens).
+/// Tokens a keep-warm refresh writes: the tail after the conversation's entry (her last
+/// reply) and its ping, measured at about 210 on the mock.
+pub const REFRESH_WRITE_TOKENS: u64 = 256;
+
+/// Dollars one keep-warm refresh costs: a read of the prefix, a write of its tail and ping
+/// (each ping is new, see `driver::refresh_fork`), a few tokens of output.
 pub fn refresh_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
-    Prices::dollars(t.prefix_tokens + 16, c.prices.cache_read) + Prices::dollars(8, c.prices.output)
+    Prices::dollars(t.prefix_tokens, c.prices.cache_read)
+        + Prices::dollars(REFRESH_WRITE_TOKENS, c.prices.write(c.ttl))
+        + Prices::dollars(8, c.prices.output)
 }
 
 /// Whether the cache entry is still alive at `now`.

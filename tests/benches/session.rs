@@ -450,6 +450,30 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         KeepWarm::Plain => "live, keep-warm unpredicted",
         KeepWarm::Predictive => "live",
     };
+    if std::env::var_os("LEDGER").is_some() {
+        // Every request as billed, to see where a run's money went.
+        for e in mock.ledger() {
+            println!(
+                "    #{:<4} t={:>8.0}s prompt {:>7} read {:>7} write {:>7} out {:>5} ${:.4} {:?}",
+                e.n,
+                e.at,
+                e.prompt_tokens,
+                e.usage.cache_read,
+                e.usage.cache_write_5m + e.usage.cache_write_1h,
+                e.usage.output,
+                e.cost,
+                e.last_user_text.chars().take(40).collect::<String>()
+            );
+            if std::env::var_os("LEDGER_BLOCKS").is_some() {
+                println!(
+                    "          blocks {} first {:x?} system {:?}",
+                    e.block_hashes.len(),
+                    &e.block_hashes[..e.block_hashes.len().min(4)],
+                    e.system_text.chars().take(160).collect::<String>()
+                );
+            }
+        }
+    }
     let totals = summarize(
         format!("{label}, TTL {}", ttl_name(ttl)),
         &mock,
@@ -496,7 +520,9 @@ impl Model {
     }
 
     fn refresh(&self, prefix: u64) -> f64 {
-        Prices::dollars(prefix + 16, self.p.cache_read) + Prices::dollars(8, self.p.output)
+        Prices::dollars(prefix, self.p.cache_read)
+            + Prices::dollars(session::policy::REFRESH_WRITE_TOKENS, self.w)
+            + Prices::dollars(8, self.p.output)
     }
 
     /// Bringing a `prefix` back after `gap` seconds: a read if warm, else the cheaper of a

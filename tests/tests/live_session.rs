@@ -371,3 +371,74 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
     assert!(next.last_user_text.contains("after the summary"));
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+/// Keep-warm over hours: every refresh reads the conversation's own entry (not the one the
+/// previous refresh wrote), so after five refreshes spanning five hours the next turn, in a
+/// resumed process, still reads the whole conversation from the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refreshes_keep_the_conversation_itself_warm_for_hours() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("keepwarm");
+    let cfg = config(&mock, &dir);
+    let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    cli.turn(&render(&[delivery(1, "good morning")], &mut seen, &[]))
+        .await
+        .unwrap();
+    let sid = cli.session_id().expect("a session").to_owned();
+    cli.shutdown(Duration::from_secs(5)).await;
+    let conversation = mock.ledger()[0].prompt_tokens;
+    for i in 0..5 {
+        // 59 minutes: the 1-hour entry is alive only if the last refresh re-armed it.
+        mock.advance(Duration::from_secs(59 * 60));
+        let r = session::driver::refresh_fork(&cfg, &sid).await.unwrap();
+        assert!(!r.is_error, "refresh {i}: {r:?}");
+        let e = mock.ledger().last().cloned().unwrap();
+        assert!(
+            e.usage.cache_read >= conversation,
+            "refresh {i} read {} of the conversation's {conversation}: {e:?}",
+            e.usage.cache_read
+        );
+    }
+    mock.advance(Duration::from_secs(59 * 60));
+    let mut resumed = cfg.clone();
+    resumed.session_id = Some(sid.clone());
+    resumed.resume = true;
+    let mut cli = Cli::spawn(resumed).await.expect("CLI resumed");
+    cli.turn(&render(&[delivery(2, "still there?")], &mut seen, &[]))
+        .await
+        .unwrap();
+    let e = mock.ledger().last().cloned().unwrap();
+    assert!(
+        e.usage.cache_read >= conversation,
+        "the turn after five hours of refreshes read {} of {conversation}",
+        e.usage.cache_read
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
+/// The resume-per-turn rival of the session benchmark: a process per batch, resuming one
+/// session, with the CLI's own auto-compaction on; each batch is a turn of the same session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shot_turns_resume_one_session() {
+    use session::driver::{one_shot, Compaction};
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let dir = scratch("oneshot");
+    let cfg = config(&mock, &dir);
+    let sid = new_session_id();
+    let mut seen = Seen::default();
+    for i in 1..=3u64 {
+        mock.script(json!({"say": [{"room": "!lobby:localhost", "text": format!("reply {i}")}]}));
+        let text = render(&[delivery(i, &format!("message {i}"))], &mut seen, &[]);
+        let r = one_shot(&cfg, &sid, i > 1, &text, Compaction::Cli)
+            .await
+            .unwrap();
+        assert!(!r.is_error, "turn {i}: {r:?}");
+        assert_eq!(r.session_id.as_deref(), Some(sid.as_str()));
+    }
+    let ledger = mock.ledger();
+    assert_eq!(ledger.len(), 3);
+    // The third request carries the first two messages: one conversation.
+    assert!(ledger[2].user_text.contains("message 1"), "{:?}", ledger[2]);
+    assert!(ledger[2].usage.cache_read > 0);
+}
