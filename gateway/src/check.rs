@@ -548,6 +548,28 @@ async fn live(p: &Persona) -> Vec<Line> {
             )),
         }
     }
+    match (&sc.prices, session::cost::Prices::for_model(&sc.model)) {
+        (Some(p), _) => out.push(ok(
+            &s("prices"),
+            format!(
+                "{}: ${}/MTok input, cache reads {}x (configured)",
+                sc.model, p.input, p.cache_read_ratio
+            ),
+        )),
+        (None, Some(p)) => out.push(ok(
+            &s("prices"),
+            format!("{}: ${}/MTok input (published)", sc.model, p.input),
+        )),
+        (None, None) => out.push(bad(
+            Level::Warn,
+            &s("prices"),
+            format!(
+                "no published prices known for {}: costed as Sonnet",
+                sc.model
+            ),
+            "set session.prices = { input = ..., cache_read_ratio = ... }",
+        )),
+    }
     if let Some(f) = &sc.state_file {
         if std::fs::read_to_string(f).is_err() {
             out.push(bad(

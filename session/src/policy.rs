@@ -77,13 +77,13 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
-    /// Defaults for a cache TTL. Keep-warm is on only with the 1-hour TTL: on the reference
-    /// workload it paid there (slightly) and cost more than it saved with 5 minutes, where most
-    /// gaps outlast the refreshes the ski-rental bound allows (README, session benchmark).
+    /// Defaults for a cache TTL: keep-warm on, predicted from her gaps, with either TTL. In
+    /// the session benchmark (README) it paid on every workload but one with 5 minutes (quiet
+    /// operator DMs, where it cost 4% more than none) and on all with 1 hour; unpredicted, it
+    /// cost up to 1.8x more than none with 5 minutes.
     pub fn for_ttl(ttl: Ttl) -> Self {
         Self {
             ttl,
-            keep_warm: ttl == Ttl::OneHour,
             ..Self::default()
         }
     }

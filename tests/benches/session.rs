@@ -132,6 +132,18 @@ impl Run<'_> {
     fn state(&self) -> &str {
         self.w["state"].as_str().unwrap_or_default()
     }
+
+    /// The rehydration's byte cap: the gateway's default (half of 16 KiB), except for the long
+    /// conversation, run as a Persona configured to keep her last documents (`context_bytes =
+    /// 327680`): there a fresh start would resend ten documents, so compaction is the cheaper
+    /// way to shrink.
+    fn rehydration_cap(&self) -> usize {
+        if self.w["name"] == "long-conversation" {
+            327_680 / 2
+        } else {
+            gateway::config::Limits::default().context_bytes / 2
+        }
+    }
 }
 
 fn cfg(mock: &MockApi, dir: &Path, system: &Path, ttl: Ttl) -> CliConfig {
@@ -197,7 +209,10 @@ impl Timelines {
             text: d.text.clone(),
         });
     }
-    fn rehydration(&self, state: &str) -> String {
+    /// What a fresh start sends besides the batch: her state and the last 10 lines of each
+    /// room, at most `max_bytes` of lines (the gateway's cap is half of `[persona.limits]
+    /// context_bytes`).
+    fn rehydration(&self, state: &str, max_bytes: usize) -> String {
         let rooms: Vec<(&str, Vec<ContextLine>)> = self
             .0
             .iter()
@@ -207,7 +222,7 @@ impl Timelines {
             &[session::render::Note::new("state", state)],
             &rooms,
             10,
-            usize::MAX,
+            max_bytes,
         )
     }
     fn context(&self, room: &str) -> Vec<ContextLine> {
@@ -341,7 +356,8 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
-        t.rehydration_tokens = (timelines.rehydration(state).len() / 4) as u64 + base_tokens;
+        let cap = run.rehydration_cap();
+        t.rehydration_tokens = (timelines.rehydration(state, cap).len() / 4) as u64 + base_tokens;
         t.base_tokens = base_tokens;
         let decision = if sid.is_none() {
             Decision::Continue
@@ -399,7 +415,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         }
         let mut text = render(&ds, &mut seen, &[]);
         if reset == Reset::Fresh {
-            text.push_str(&timelines.rehydration(state));
+            text.push_str(&timelines.rehydration(state, cap));
         }
         if cli.is_none() {
             let mut c = base_cfg.clone();
@@ -684,7 +700,7 @@ async fn resume(run: &Run<'_>) -> Report {
         let ds = deliveries(batch, &mut seq);
         let mut text = render(&ds, &mut seen, &[]);
         if i == 0 {
-            text.push_str(&timelines.rehydration(run.state()));
+            text.push_str(&timelines.rehydration(run.state(), run.rehydration_cap()));
         }
         mock.script(batch["reply"].clone());
         match one_shot(&base, &sid, i > 0, &text, Compaction::Cli).await {

@@ -54,10 +54,40 @@ async fn check_names_each_problem_and_its_fix() {
         "ok    vera: homeserver:",
         "ok    vera: claude:",
         "ok    vera: model credential: API key",
+        "ok    vera: prices: claude-sonnet-4-6: $3/MTok input (published)",
         "warn  vera: room #ck-lobby:localhost: not joined yet",
     ] {
         assert!(out.contains(want), "{want:?} missing:\n{out}");
     }
+    // A model without published prices is a warning (costed as Sonnet) unless priced.
+    let mystery = dir.join("mystery.toml");
+    std::fs::write(
+        &mystery,
+        text.replace("claude-sonnet-4-6", "mystery-model-1"),
+    )
+    .unwrap();
+    let (code, out) = check(&mystery);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("warn  vera: prices: no published prices known for mystery-model-1")
+            && out.contains("set session.prices"),
+        "{out}"
+    );
+    std::fs::write(
+        &mystery,
+        text.replace(
+            "claude-sonnet-4-6\"",
+            "mystery-model-1\"\nprices = { input = 2.0, cache_read_ratio = 0.05 }",
+        ),
+    )
+    .unwrap();
+    let (_, out) = check(&mystery);
+    assert!(
+        out.contains(
+            "ok    vera: prices: mystery-model-1: $2/MTok input, cache reads 0.05x (configured)"
+        ),
+        "{out}"
+    );
 
     // Each broken variant: the config, the subject of its FAIL line, and words of its line.
     let variant = |name: &str, text: &str| -> PathBuf {

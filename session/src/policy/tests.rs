@@ -343,8 +343,10 @@ fn ski_rental_on_the_reference_trace() {
 
 #[test]
 fn keep_warm_defaults_follow_the_benchmark() {
-    assert!(PolicyConfig::for_ttl(Ttl::OneHour).keep_warm);
-    assert!(!PolicyConfig::for_ttl(Ttl::FiveMinutes).keep_warm);
+    for ttl in [Ttl::OneHour, Ttl::FiveMinutes] {
+        let c = PolicyConfig::for_ttl(ttl);
+        assert!(c.keep_warm && c.predictive, "{ttl:?}");
+    }
     assert_eq!(
         PolicyConfig::for_ttl(Ttl::FiveMinutes).ttl,
         Ttl::FiveMinutes
