@@ -717,11 +717,10 @@ impl TurnLoop {
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
                 self.seen.clear();
-                self.telemetry.after_compact(
-                    m.post_tokens,
-                    result.usage.usage().output,
-                    Instant::now(),
-                );
+                // The CLI bills a `/compact` as a local command (no usage); its boundary's
+                // post_tokens (the summary and what was kept) is what the compaction wrote.
+                self.telemetry
+                    .after_compact(m.post_tokens, m.post_tokens, Instant::now());
                 self.status.compactions += 1;
                 if let Ok(v) = serde_json::to_string(&self.telemetry.summaries) {
                     self.inbox

@@ -201,12 +201,15 @@ impl Telemetry {
 
     /// After a compaction: the conversation is now `post_tokens` long (summary and what was
     /// kept), freshly read, and the read cost above the rehydration starts again from zero.
-    /// `summary_tokens` (the summary request's output) is learned for the next one.
+    /// `summary_tokens` (what the compaction wrote) is learned for the next one; 0 (not
+    /// measured) is not.
     pub fn after_compact(&mut self, post_tokens: u64, summary_tokens: u64, now: Instant) {
-        if self.summaries.len() == Self::SUMMARIES_KEPT {
-            self.summaries.remove(0);
+        if summary_tokens > 0 {
+            if self.summaries.len() == Self::SUMMARIES_KEPT {
+                self.summaries.remove(0);
+            }
+            self.summaries.push(summary_tokens);
         }
-        self.summaries.push(summary_tokens);
         self.prefix_tokens = post_tokens;
         self.excess_read_cost = 0.0;
         self.last_outcome = Outcome::Ok;

@@ -314,8 +314,32 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
         &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
     )
     .unwrap();
-    assert!(status["compactions"].as_u64().unwrap_or(0) >= 1, "{status}");
+    let compactions = status["compactions"].as_u64().unwrap_or(0);
+    assert!(compactions >= 1, "{status}");
     assert_eq!(gw.stop().code(), Some(0));
+    // Each compaction's size (the CLI's count of the summary and the messages it kept) is kept
+    // for the next one's price: it holds the summary the mock billed, and fits the window.
+    let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
+    let summaries: Vec<u64> = serde_json::from_str(
+        &inbox
+            .session_value("vera", "summaries")
+            .unwrap()
+            .expect("summary sizes stored"),
+    )
+    .unwrap();
+    let billed: Vec<u64> = ledger
+        .iter()
+        .filter(|e| e.status == 200 && e.last_user_text.contains("Respond with TEXT ONLY"))
+        .map(|e| e.usage.output)
+        .collect();
+    let kept = billed.len().min(session::policy::Telemetry::SUMMARIES_KEPT);
+    assert_eq!(summaries.len(), kept, "{summaries:?} billed {billed:?}");
+    for (s, b) in summaries.iter().zip(&billed[billed.len() - kept..]) {
+        assert!(
+            *s >= *b && *s < 3_000,
+            "kept {summaries:?}, billed {billed:?}"
+        );
+    }
 }
 
 /// A CultNet client (signed Connect with a pinned key) reads vera's mail, acknowledges it and

@@ -624,4 +624,32 @@ async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
         std::fs::copy(&svg, keep).unwrap();
     }
     assert!(gw.stop().success());
+    // What the policy learned outlives the process: the gaps between her 200 batches (the
+    // newest kept) and the sizes of her compactions' summaries, in her inbox.
+    let inbox = gateway::inbox::Inbox::open(&dir.join("state/inbox")).unwrap();
+    let gaps: session::policy::GapModel = serde_json::from_str(
+        &inbox
+            .session_value("vera", "gaps")
+            .unwrap()
+            .expect("her gaps stored"),
+    )
+    .unwrap();
+    assert_eq!(gaps.len(), session::policy::GapModel::KEPT);
+    let status: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    let compactions = status["compactions"].as_u64().unwrap_or(0);
+    let summaries: Vec<u64> = inbox
+        .session_value("vera", "summaries")
+        .unwrap()
+        .map(|v| serde_json::from_str(&v).unwrap())
+        .unwrap_or_default();
+    assert_eq!(
+        summaries.len() as u64,
+        compactions.min(session::policy::Telemetry::SUMMARIES_KEPT as u64),
+        "{summaries:?} after {compactions} compactions"
+    );
+    assert!(summaries.iter().all(|s| *s > 0), "{summaries:?}");
+    println!("after 200 turns: {compactions} compactions, summaries {summaries:?}");
 }
