@@ -271,14 +271,8 @@ impl TurnLoop {
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         // Her gaps and compaction summaries, learned in earlier runs.
         let telemetry = Telemetry {
-            gaps: inbox
-                .session_value(&persona.id, "gaps")?
-                .and_then(|v| serde_json::from_str(&v).ok())
-                .unwrap_or_default(),
-            summaries: inbox
-                .session_value(&persona.id, "summaries")?
-                .and_then(|v| serde_json::from_str(&v).ok())
-                .unwrap_or_default(),
+            gaps: learned(&inbox, &persona.id, GAPS)?,
+            summaries: learned(&inbox, &persona.id, SUMMARIES)?,
             ..Telemetry::default()
         };
         let prices = prices_for(&persona, &base.model);
@@ -684,20 +678,23 @@ impl TurnLoop {
     /// Books the gap since her last turn for predictive keep-warm, and stores her gaps so a
     /// restart keeps what was learned.
     fn book_gap(&mut self, now: Instant) {
-        let before = self.telemetry.gaps.len();
-        self.telemetry.batch_arrived(now);
-        if self.telemetry.gaps.len() == before && before < session::policy::GapModel::KEPT {
-            return;
+        if self.telemetry.batch_arrived(now) {
+            self.keep_learned(GAPS, &self.telemetry.gaps);
         }
-        let stored = serde_json::to_string(&self.telemetry.gaps)
+    }
+
+    /// Stores something the policy learned (JSON in her session values); a failure costs only
+    /// what a restart would forget, so it is logged, not raised.
+    fn keep_learned<T: Serialize>(&self, name: &str, value: &T) {
+        let stored = serde_json::to_string(value)
             .map_err(|e| e.to_string())
             .and_then(|v| {
                 self.inbox
-                    .set_session_value(&self.persona.id, "gaps", Some(&v))
+                    .set_session_value(&self.persona.id, name, Some(&v))
                     .map_err(|e| e.to_string())
             });
         if let Err(e) = stored {
-            tracing::warn!(persona = %self.persona.id, error = %e, "her gaps were not stored");
+            tracing::warn!(persona = %self.persona.id, name, error = %e, "what the policy learned was not stored");
         }
     }
 
@@ -722,10 +719,7 @@ impl TurnLoop {
                 self.telemetry
                     .after_compact(m.post_tokens, m.post_tokens, Instant::now());
                 self.status.compactions += 1;
-                if let Ok(v) = serde_json::to_string(&self.telemetry.summaries) {
-                    self.inbox
-                        .set_session_value(&self.persona.id, "summaries", Some(&v))?;
-                }
+                self.keep_learned(SUMMARIES, &self.telemetry.summaries);
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
@@ -1239,6 +1233,26 @@ pub fn human_duration(ms: i64) -> String {
         7_200..=172_799 => format!("{} h {} min", s / 3600, s % 3600 / 60),
         _ => format!("{} d {} h", s / 86_400, s % 86_400 / 3600),
     }
+}
+
+/// Session values holding what the policy learned about her.
+const GAPS: &str = "gaps";
+const SUMMARIES: &str = "summaries";
+
+/// What the policy learned in earlier runs (`name`, JSON in her session values), or nothing
+/// yet; a value that does not parse (another version wrote it) is logged and started over.
+fn learned<T: serde::de::DeserializeOwned + Default>(
+    inbox: &Inbox,
+    persona: &str,
+    name: &str,
+) -> Result<T, InboxError> {
+    Ok(match inbox.session_value(persona, name)? {
+        None => T::default(),
+        Some(v) => serde_json::from_str(&v).unwrap_or_else(|e| {
+            tracing::warn!(persona, name, error = %e, "a stored value of the policy is unreadable; learning it again");
+            T::default()
+        }),
+    })
 }
 
 /// Her model's prices: the configured table, else the model's published one, else Sonnet's

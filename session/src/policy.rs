@@ -159,11 +159,14 @@ impl Telemetry {
     /// Compaction summaries remembered for the learned size.
     pub const SUMMARIES_KEPT: usize = 4;
 
-    /// Books a batch ready at `now`: its gap since her last turn feeds [`GapModel`].
-    pub fn batch_arrived(&mut self, now: Instant) {
-        if let Some(at) = self.last_turn_at {
-            self.gaps.observe(now.saturating_duration_since(at));
-        }
+    /// Books a batch ready at `now`: its gap since her last turn feeds [`GapModel`]. Whether
+    /// a gap was booked (not before her first turn).
+    pub fn batch_arrived(&mut self, now: Instant) -> bool {
+        let Some(at) = self.last_turn_at else {
+            return false;
+        };
+        self.gaps.observe(now.saturating_duration_since(at));
+        true
     }
 
     /// The summary size a compaction is expected to write: the mean of the last ones measured,

@@ -61,6 +61,7 @@ struct Step {
 }
 
 /// One way's run on one workload and TTL.
+#[derive(Default)]
 struct Report {
     label: String,
     steps: Vec<Step>,
@@ -78,6 +79,18 @@ struct Report {
 }
 
 impl Report {
+    /// This report with the mock's bill for `turns` turns under `label`.
+    fn billed(self, label: String, mock: &MockApi, turns: usize) -> Report {
+        let ledger = mock.ledger();
+        Report {
+            label,
+            turns,
+            cost: ledger.iter().map(|e| e.cost).sum(),
+            prompt_tokens: ledger.iter().map(|e| e.usage.prompt_tokens()).sum(),
+            cache_read: ledger.iter().map(|e| e.usage.cache_read).sum(),
+            ..self
+        }
+    }
     fn per_turn(&self) -> f64 {
         self.cost / self.turns.max(1) as f64
     }
@@ -249,26 +262,6 @@ impl Timelines {
     }
 }
 
-/// The ledger's totals; the caller fills in what only it knows.
-fn summarize(label: String, mock: &MockApi, turns: usize) -> Report {
-    let ledger = mock.ledger();
-    Report {
-        label,
-        steps: Vec::new(),
-        turns,
-        cost: ledger.iter().map(|e| e.cost).sum(),
-        prompt_tokens: ledger.iter().map(|e| e.usage.prompt_tokens()).sum(),
-        cache_read: ledger.iter().map(|e| e.usage.cache_read).sum(),
-        restarts: BTreeMap::new(),
-        keep_warm: 0,
-        keep_warm_cost: 0.0,
-        evictions: 0,
-        summaries: Vec::new(),
-        latency: Vec::new(),
-        base: 0,
-    }
-}
-
 /// Keep-warm as the live replay runs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum KeepWarm {
@@ -299,7 +292,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     let mut timelines = Timelines::default();
     let base_tokens = (run.doctrine().len() / 4 + state.len() / 4) as u64;
     let mut t = Telemetry::default();
-    let mut r = summarize(String::new(), &mock, 0);
+    let mut r = Report::default();
     let mut seq = 0u64;
     let mut last_touch_off = Duration::ZERO;
     let mut last_turn_off = Duration::ZERO;
@@ -490,20 +483,12 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             }
         }
     }
-    let totals = summarize(
-        format!("{label}, TTL {}", ttl_name(ttl)),
-        &mock,
-        r.steps.len(),
-    );
+    let turns = r.steps.len();
     Report {
-        label: totals.label,
-        turns: totals.turns,
-        cost: totals.cost,
-        prompt_tokens: totals.prompt_tokens,
-        cache_read: totals.cache_read,
         base: base_tokens,
         ..r
     }
+    .billed(format!("{label}, TTL {}", ttl_name(ttl)), &mock, turns)
 }
 
 fn ttl_name(ttl: Ttl) -> &'static str {
@@ -651,7 +636,6 @@ async fn rebuild(run: &Run<'_>) -> Report {
     let mut timelines = Timelines::default();
     let mut seq = 0u64;
     let mut latency = Vec::new();
-    let mut turns = 0;
     for batch in run.batches() {
         mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
         let ready = Instant::now();
@@ -671,12 +655,13 @@ async fn rebuild(run: &Run<'_>) -> Report {
         for d in &ds {
             timelines.push(d);
         }
-        turns += 1;
     }
+    let turns = latency.len();
     Report {
         latency,
-        ..summarize(format!("rebuild, TTL {}", ttl_name(run.ttl)), &mock, turns)
+        ..Report::default()
     }
+    .billed(format!("rebuild, TTL {}", ttl_name(run.ttl)), &mock, turns)
 }
 
 /// A new process per batch resuming one session, with the CLI's defaults (its own
@@ -692,7 +677,6 @@ async fn resume(run: &Run<'_>) -> Report {
     let mut seen = Seen::default();
     let mut seq = 0u64;
     let mut latency = Vec::new();
-    let mut turns = 0;
     let mut failures = 0;
     for (i, batch) in run.batches().enumerate() {
         mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
@@ -718,9 +702,13 @@ async fn resume(run: &Run<'_>) -> Report {
         for d in &ds {
             timelines.push(d);
         }
-        turns += 1;
     }
-    let mut r = summarize(
+    let turns = latency.len();
+    let mut r = Report {
+        latency,
+        ..Report::default()
+    }
+    .billed(
         format!("resume per turn, TTL {}", ttl_name(run.ttl)),
         &mock,
         turns,
@@ -729,15 +717,10 @@ async fn resume(run: &Run<'_>) -> Report {
         r.restarts.insert("failed turns".into(), failures);
     }
     // Compactions the CLI made by itself: its summary requests.
-    let compactions = mock
-        .ledger()
-        .iter()
-        .filter(|e| e.last_user_text.contains("Respond with TEXT ONLY"))
-        .count();
+    let compactions = mock.ledger().iter().filter(|e| e.is_summary()).count();
     if compactions > 0 {
         r.restarts.insert("CLI compactions".into(), compactions);
     }
-    r.latency = latency;
     r
 }
 

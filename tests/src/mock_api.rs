@@ -26,6 +26,9 @@
 //! request ("Respond with TEXT ONLY"), with or without tools, [`SUMMARY`] in `<summary>` tags,
 //! padded to a share of the prompt it summarizes ([`MockConfig::summary_share`]).
 
+/// What a compaction's summary request says (the CLI's `/compact` and its auto-compaction).
+const SUMMARY_REQUEST: &str = "Respond with TEXT ONLY";
+
 /// Smallest compaction summary the mock writes (tokens).
 pub const SUMMARY_MIN_TOKENS: u64 = 200;
 /// Largest compaction summary the mock writes (tokens).
@@ -126,6 +129,13 @@ pub struct LedgerEntry {
     pub auth: String,
     /// The model it asked for.
     pub model: String,
+}
+
+impl LedgerEntry {
+    /// Whether it was a compaction's summary request.
+    pub fn is_summary(&self) -> bool {
+        self.last_user_text.contains(SUMMARY_REQUEST)
+    }
 }
 
 #[derive(Debug)]
@@ -407,7 +417,7 @@ fn answer(
     // The reply.
     // A compaction's summary request says to answer in text only, and a model does, whatever
     // tools the request carries (the CLI keeps them, for the cache's sake).
-    let summary = last_user_text.contains("Respond with TEXT ONLY");
+    let summary = last_user_text.contains(SUMMARY_REQUEST);
     let structured = !summary
         && req["tools"]
             .as_array()

@@ -42,13 +42,19 @@ fn words(r: &mut Rng, bytes: usize) -> String {
     s
 }
 
+/// A workload's doctrine (~24k tokens, 1,100 clauses) and state (~1.3k tokens), drawn first
+/// from its generator.
+fn doctrine_and_state(r: &mut Rng) -> (String, String) {
+    let doctrine: Vec<String> = (0..1100)
+        .map(|i| format!("Clause {i}: {}.", words(r, 70)))
+        .collect();
+    (doctrine.join("\n"), words(r, 5200))
+}
+
 /// Generates a workload.
 pub fn generate(seed: u64, batches: usize) -> Value {
     let mut r = Rng(seed | 1);
-    let doctrine: Vec<String> = (0..1100)
-        .map(|i| format!("Clause {i}: {}.", words(&mut r, 70)))
-        .collect();
-    let state = words(&mut r, 5200);
+    let (doctrine, state) = doctrine_and_state(&mut r);
     let rooms = ["!lobby:localhost", "!garden:localhost", "!forge:localhost"];
     let mut out = Vec::new();
     for b in 0..batches {
@@ -80,7 +86,7 @@ pub fn generate(seed: u64, batches: usize) -> Value {
             json!({"batch": b + 1, "gap_secs": gap, "deliveries": deliveries, "reply": reply}),
         );
     }
-    json!({"seed": seed, "doctrine": doctrine.join("\n"), "state": state, "batches": out})
+    json!({"seed": seed, "doctrine": doctrine, "state": state, "batches": out})
 }
 
 /// The committed workloads of the session benchmark, each a seeded shape of a Persona's day.
@@ -257,10 +263,7 @@ fn draw(shape: Shape, r: &mut Rng, b: usize) -> Draw {
 fn generate_shape(shape: Shape) -> Value {
     let seed = shape.seed();
     let mut r = Rng(seed | 1);
-    let doctrine: Vec<String> = (0..1100)
-        .map(|i| format!("Clause {i}: {}.", words(&mut r, 70)))
-        .collect();
-    let state = words(&mut r, 5200);
+    let (doctrine, state) = doctrine_and_state(&mut r);
     let mut out = Vec::new();
     for b in 0..shape.batches() {
         let d = draw(shape, &mut r, b);
@@ -277,7 +280,7 @@ fn generate_shape(shape: Shape) -> Value {
             json!({"batch": b + 1, "gap_secs": d.gap, "deliveries": deliveries, "reply": reply}),
         );
     }
-    json!({"name": shape.name(), "seed": seed, "doctrine": doctrine.join("\n"), "state": state, "batches": out})
+    json!({"name": shape.name(), "seed": seed, "doctrine": doctrine, "state": state, "batches": out})
 }
 
 /// Loads a committed workload.

@@ -329,7 +329,7 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
     .unwrap();
     let billed: Vec<u64> = ledger
         .iter()
-        .filter(|e| e.status == 200 && e.last_user_text.contains("Respond with TEXT ONLY"))
+        .filter(|e| e.status == 200 && e.is_summary())
         .map(|e| e.usage.output)
         .collect();
     let kept = billed.len().min(session::policy::Telemetry::SUMMARIES_KEPT);

@@ -108,6 +108,7 @@ impl GapModel {
                 .sum::<f64>()
                 / total
         };
+        let longest = longer.iter().map(|(_, g)| *g).max().unwrap_or(since);
         let mut best = f64::NEG_INFINITY;
         let mut paid = 0.0;
         for k in 1..=u64::from(max_refreshes.max(1)) {
@@ -117,6 +118,10 @@ impl GapModel {
             let covered = at + life;
             let gain = saving * share(&|g| g < covered) - paid;
             best = best.max(gain);
+            // Every past silence is covered: a longer horizon can only pay more.
+            if covered > longest {
+                break;
+            }
         }
         Some(best)
     }
@@ -239,7 +244,40 @@ mod tests {
         assert_eq!(back, m);
     }
 
+    /// Every horizon up to the budget, without stopping early: what `keep_warm_gain` must equal.
+    fn gain_over_every_horizon(m: &GapModel, since: u64, period: u64, life: u64, max: u32) -> f64 {
+        let p = |lo: u64, hi: u64| m.p_within(s(lo), s(hi)).unwrap();
+        let mut paid = 0.0;
+        let mut best = f64::NEG_INFINITY;
+        for k in 1..=u64::from(max) {
+            let at = since + (k - 1) * period;
+            // Still silent at `at`: 1 - P(ended before at | silent at since).
+            paid += 0.008 * (1.0 - p(since, at));
+            best = best.max(0.15 * p(since, at + life) - paid);
+        }
+        best
+    }
+
     proptest! {
+        #[test]
+        fn stopping_once_every_silence_is_covered_changes_nothing(
+            gaps in proptest::collection::vec(0u64..50_000, 3..100),
+            since in 0u64..20_000,
+            max in 1u32..60,
+        ) {
+            let mut m = GapModel::default();
+            for g in gaps {
+                m.observe(s(g));
+            }
+            let got = m.keep_warm_gain(s(since), s(240), s(300), 0.15, 0.008, max).unwrap();
+            if m.p_within(s(since), s(u64::MAX / 2)) == Some(0.0) {
+                prop_assert_eq!(got, 0.0);
+            } else {
+                let want = gain_over_every_horizon(&m, since, 240, 300, max);
+                prop_assert!((got - want).abs() < 1e-9, "{} vs {}", got, want);
+            }
+        }
+
         #[test]
         fn a_probability_that_grows_with_the_window(
             gaps in proptest::collection::vec(0u64..50_000, 8..200),

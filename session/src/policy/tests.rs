@@ -435,6 +435,11 @@ fn predictive_keep_warm_weighs_the_chance_against_the_price() {
         Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, &c))
             - Prices::dollars(t.prefix_tokens, c.prices.cache_read)
     };
+    // The chance her batch comes while the next refresh keeps the entry alive.
+    let p_next = |t: &Telemetry| {
+        let since = Duration::from_secs(idle);
+        t.gaps.p_within(since, since + c.ttl.duration()).unwrap()
+    };
     // Every other gap ends soon after the keep-warm point (or none do), the rest far later.
     let at = |half: bool| {
         let mut t = idle_with_gaps(now, &c, idle + 30);
@@ -450,13 +455,7 @@ fn predictive_keep_warm_weighs_the_chance_against_the_price() {
         t
     };
     let t = at(true);
-    let p = t
-        .gaps
-        .p_within(
-            Duration::from_secs(idle),
-            Duration::from_secs(idle) + c.ttl.duration(),
-        )
-        .unwrap();
+    let p = p_next(&t);
     assert!(p * rewrite_saving(&t) > refresh_cost(&t, &c));
     assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
     // With one short gap sixty gaps back the expected saving is below the price.
@@ -465,13 +464,7 @@ fn predictive_keep_warm_weighs_the_chance_against_the_price() {
     for _ in 0..60 {
         t.gaps.observe(Duration::from_secs(idle + 5_000));
     }
-    let p = t
-        .gaps
-        .p_within(
-            Duration::from_secs(idle),
-            Duration::from_secs(idle) + c.ttl.duration(),
-        )
-        .unwrap();
+    let p = p_next(&t);
     assert!(
         p > 0.0 && p * rewrite_saving(&t) < refresh_cost(&t, &c),
         "{p}"
@@ -483,10 +476,10 @@ fn predictive_keep_warm_weighs_the_chance_against_the_price() {
 fn a_batch_books_its_gap() {
     let now = Instant::now();
     let mut t = Telemetry::default();
-    t.batch_arrived(now);
+    assert!(!t.batch_arrived(now));
     assert!(t.gaps.is_empty(), "no turn yet: no gap");
     t.last_turn_at = Some(now);
-    t.batch_arrived(now + Duration::from_secs(90));
+    assert!(t.batch_arrived(now + Duration::from_secs(90)));
     assert_eq!(t.gaps.len(), 1);
 }
 
