@@ -12,6 +12,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use gateway::inbox::compact::bytes_under;
 use gateway::inbox::{Inbox, SyncWrite, TimelineLine};
 use wire::docs::ContextLine;
 
@@ -71,7 +72,9 @@ fn main() {
         us(pct(99))
     );
     let _ = std::fs::remove_dir_all(&dir);
-    disk(support::env_count("DISK_DELIVERIES", 1_000_000));
+    let deliveries = support::env_count("DISK_DELIVERIES", 1_000_000);
+    disk(deliveries, false);
+    disk(deliveries, true);
 }
 
 fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
@@ -91,23 +94,14 @@ fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
         .collect()
 }
 
-fn bytes_under(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| match e.metadata() {
-            Ok(m) if m.is_dir() => bytes_under(&e.path()),
-            Ok(m) => m.len(),
-            Err(_) => 0,
-        })
-        .sum()
-}
-
-fn disk(deliveries: u64) {
+/// With `checked`, `compact_if_wasteful` runs (defaults) every 10,000 deliveries, as the
+/// gateway's hourly task does, and the peak and final bytes are printed instead.
+fn disk(deliveries: u64, checked: bool) {
     if deliveries == 0 {
         return;
     }
+    let mut peak = 0u64;
+    let mut compactions = Vec::new();
     let dir = std::env::temp_dir().join(format!("cultnet-inbox-disk-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("open");
@@ -131,9 +125,34 @@ fn disk(deliveries: u64) {
             let c = inbox.counts("mira").expect("counts");
             inbox.ack("mira", c.highest).expect("ack");
         }
+        if checked && r % 100 == 99 {
+            peak = peak.max(inbox.disk_bytes());
+            if let Some(c) = inbox
+                .compact_if_wasteful(gateway::inbox::CompactWhen::default())
+                .expect("compact")
+            {
+                compactions.push(c.held);
+            }
+        }
     }
     let c = inbox.counts("mira").expect("counts");
     inbox.ack("mira", c.highest).expect("ack");
+    if checked {
+        let held: Vec<f64> = compactions.iter().map(|h| h.as_secs_f64() * 1e3).collect();
+        println!(
+            "inbox disk with compact_if_wasteful every 10,000 of {} deliveries ({:.1} s): peak {} bytes, at the end {} bytes; {} compactions holding the inbox {:.0}-{:.0} ms",
+            responses * 100,
+            start.elapsed().as_secs_f64(),
+            peak,
+            inbox.disk_bytes(),
+            held.len(),
+            held.iter().copied().fold(f64::INFINITY, f64::min),
+            held.iter().copied().fold(0.0, f64::max),
+        );
+        drop(inbox);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let took = start.elapsed();
     let before = bytes_under(&dir);
     let now = u64::try_from(
@@ -148,16 +167,26 @@ fn disk(deliveries: u64) {
     drop(inbox);
     let reopened = Inbox::open(&dir).expect("reopen");
     let after = bytes_under(&dir);
+    let compacted = reopened.compact().expect("compact");
     drop(reopened);
+    let n = (responses * 100) as f64;
     println!(
-        "inbox disk after {} deliveries and acks ({:.1} s): {} bytes on disk, {:.0} bytes per delivery; after pruning {} id records past the 30-day retention and reopening: {} bytes ({:.0} per delivery)",
+        "inbox disk after {} deliveries and acks ({:.1} s): {} bytes on disk, {:.0} bytes per delivery; after pruning {} id records past the 30-day retention and reopening: {} bytes ({:.0} per delivery); after compaction: {} bytes ({:.1} per delivery; {} records, {} bytes live), the inbox held {:.0} ms",
         responses * 100,
         took.as_secs_f64(),
         before,
-        before as f64 / (responses * 100) as f64,
+        before as f64 / n,
         pruned.id_records,
         after,
-        after as f64 / (responses * 100) as f64,
+        after as f64 / n,
+        compacted.after,
+        compacted.after as f64 / n,
+        compacted.records,
+        compacted.live,
+        compacted.held.as_secs_f64() * 1000.0,
     );
+    // The steady state a running gateway keeps: compacted whenever the files reach 4x the live
+    // records (at least 64 MiB by default); before, they only grew.
+
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -159,15 +159,17 @@ fn state_dir(dir: &Path) -> Line {
             format!("{} is writable (no inbox yet)", dir.display()),
         );
     }
-    match sled::Config::new().path(&inbox).open() {
-        Ok(db) => {
-            drop(db);
+    // The inbox's own open: its lock file is held by a running gateway (also while a
+    // compaction swaps its files, when sled's own lock is not).
+    match crate::inbox::Inbox::open(&inbox) {
+        Ok(held) => {
+            drop(held);
             ok(
                 subject,
                 format!("{} is writable and not in use", dir.display()),
             )
         }
-        Err(e) if crate::inbox::is_lock_contention(&e) => bad(
+        Err(e) if e.is_contention() => bad(
             Level::Fail,
             subject,
             format!("{} is locked: a gateway is running with it", dir.display()),

@@ -406,7 +406,8 @@ pub struct Config {
 }
 
 /// `[retention]`: the inbox's event-id index and send receipts are pruned hourly of records
-/// older than these.
+/// older than these, and its files are compacted when they are mostly dead records. Reloaded
+/// on SIGHUP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetentionConfig {
@@ -415,6 +416,9 @@ pub struct RetentionConfig {
     pub event_ids_days: u32,
     /// Days a send receipt is kept to answer a repeated request without sending again.
     pub receipts_days: u32,
+    /// The inbox's files are rewritten (hourly check) once they are at least this many MiB
+    /// and four times what they hold: sled does not give back the space of removed records.
+    pub compact_above_mib: u32,
 }
 
 impl Default for RetentionConfig {
@@ -422,6 +426,7 @@ impl Default for RetentionConfig {
         Self {
             event_ids_days: 30,
             receipts_days: 30,
+            compact_above_mib: 64,
         }
     }
 }
@@ -433,6 +438,14 @@ impl RetentionConfig {
         crate::inbox::Retention {
             event_ids: days(self.event_ids_days),
             receipts: days(self.receipts_days),
+        }
+    }
+
+    /// When the inbox is compacted.
+    pub fn compact_when(&self) -> crate::inbox::CompactWhen {
+        crate::inbox::CompactWhen {
+            min_bytes: u64::from(self.compact_above_mib) << 20,
+            ..crate::inbox::CompactWhen::default()
         }
     }
 }

@@ -35,8 +35,11 @@
 //! Stores written by the first layout (a key per delivery) are converted when opened.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+
+use parking_lot::{MappedRwLockReadGuard, RwLock, RwLockReadGuard};
 
 use serde::{de::DeserializeOwned, Serialize};
 use serde_bytes::ByteBuf;
@@ -57,6 +60,25 @@ pub enum InboxError {
         /// What went wrong.
         reason: String,
     },
+    /// Another inbox (this process or another: a gateway running with this state directory)
+    /// holds it.
+    #[error("the inbox {path} is in use (a gateway is running with it)")]
+    Locked {
+        /// The inbox directory.
+        path: String,
+    },
+    /// A file operation around the store failed (its lock file, a compaction's copy).
+    #[error("inbox: {what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// A compaction could not reopen the store it swapped in (said in the log); the files
+    /// are left for the next start to recover.
+    #[error("the inbox store is closed: a compaction could not reopen it; restart the gateway")]
+    Closed,
     /// An ack beyond the highest seq ever assigned (a client bug; nothing changes).
     #[error("ack through {through} is beyond the highest seq assigned ({highest})")]
     AckBeyondHighest {
@@ -71,13 +93,24 @@ pub enum InboxError {
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// sled reports a held lock as an I/O error "could not acquire lock" (EAGAIN from flock).
-pub(crate) fn is_lock_contention(e: &sled::Error) -> bool {
+fn is_lock_contention(e: &sled::Error) -> bool {
     match e {
         sled::Error::Io(io) => {
             io.kind() == std::io::ErrorKind::WouldBlock
                 || io.to_string().contains("could not acquire lock")
         }
         _ => false,
+    }
+}
+
+impl InboxError {
+    /// Someone else holds the inbox (its lock file, or sled's lock).
+    pub fn is_contention(&self) -> bool {
+        match self {
+            Self::Locked { .. } => true,
+            Self::Store(e) => is_lock_contention(e),
+            _ => false,
+        }
     }
 }
 
@@ -108,12 +141,46 @@ pub struct Counts {
 /// The inbox of every Persona of one gateway.
 #[derive(Debug, Clone)]
 pub struct Inbox {
-    db: sled::Db,
-    tree: sled::Tree,
-    receipts: sled::Tree,
+    /// The open store. Every method holds a (recursive) read guard for its whole body, so
+    /// [`Inbox::compact`] (the only writer) swaps in a compacted copy between operations,
+    /// never inside one.
+    stores: Arc<RwLock<Option<Stores>>>,
+    /// Where the store lives (the compacted copy replaces it there).
+    path: Arc<PathBuf>,
+    /// Bytes on disk at the last count of the live records or compaction (0 after opening):
+    /// [`Inbox::compact_if_wasteful`] counts again only once the files have doubled past it.
+    baseline: Arc<AtomicU64>,
+    /// Held (an exclusive `flock` on `<inbox>.lock`) while any handle is open: a compaction
+    /// renames the store's directory, which no other process may have open meanwhile.
+    _lock: Arc<std::fs::File>,
     /// Per Persona, the event ids of the last [`DEDUPE_WINDOW`] deliveries, loaded on first use.
     seen: Arc<Mutex<HashMap<String, SeenSlot>>>,
     dedupe_window: usize,
+}
+
+/// One open sled database and its trees.
+#[derive(Debug)]
+struct Stores {
+    db: sled::Db,
+    tree: sled::Tree,
+    receipts: sled::Tree,
+}
+
+impl Stores {
+    fn open(path: &Path) -> Result<Self, sled::Error> {
+        // Every write is flushed by us before it counts; sled's periodic background flush would
+        // only compete with those flushes.
+        let db = sled::Config::new()
+            .path(path)
+            .flush_every_ms(None)
+            .mode(sled::Mode::HighThroughput)
+            .open()?;
+        Ok(Self {
+            tree: db.open_tree("inbox")?,
+            receipts: db.open_tree("receipts")?,
+            db,
+        })
+    }
 }
 
 const CHUNK: u8 = b'c';
@@ -249,34 +316,38 @@ impl Inbox {
     pub fn open(path: &Path) -> Result<Self, InboxError> {
         let deadline = std::time::Instant::now() + LOCK_WAIT;
         loop {
-            match Self::open_once(path) {
-                Err(InboxError::Store(e))
-                    if is_lock_contention(&e) && std::time::Instant::now() < deadline =>
-                {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
+            let contended = match Self::open_once(path) {
+                Err(e) if e.is_contention() => e,
                 other => return other,
+            };
+            if std::time::Instant::now() >= deadline {
+                return Err(contended);
             }
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
 
     fn open_once(path: &Path) -> Result<Self, InboxError> {
-        // Every write is flushed by us before it counts; sled's periodic background flush would
-        // only compete with those flushes.
-        let db = sled::Config::new()
-            .path(path)
-            .flush_every_ms(None)
-            .mode(sled::Mode::HighThroughput)
-            .open()?;
+        let lock = compact::lock(path)?;
+        compact::recover(path)?;
         let inbox = Self {
-            tree: db.open_tree("inbox")?,
-            receipts: db.open_tree("receipts")?,
-            db,
+            _lock: Arc::new(lock),
+            stores: Arc::new(RwLock::new(Some(Stores::open(path)?))),
+            path: Arc::new(path.to_owned()),
+            // Nothing counted yet: the first check looks at the live share.
+            baseline: Arc::new(AtomicU64::new(0)),
             seen: Arc::default(),
             dedupe_window: DEDUPE_WINDOW,
         };
         inbox.convert_first_layout()?;
         Ok(inbox)
+    }
+
+    /// The open store, for the length of one operation. Recursive: an operation calling
+    /// another must not wait behind a compaction that waits for the first.
+    fn stores(&self) -> Result<MappedRwLockReadGuard<'_, Stores>, InboxError> {
+        RwLockReadGuard::try_map(self.stores.read_recursive(), Option::as_ref)
+            .map_err(|_| InboxError::Closed)
     }
 
     /// A smaller dedupe window, for tests of its edge.
@@ -290,9 +361,10 @@ impl Inbox {
     /// key, `t` a timeline line per key) into chunks, id records and room records, in one
     /// flushed batch, so an inbox written by an earlier build keeps everything it held.
     fn convert_first_layout(&self) -> Result<(), InboxError> {
+        let st = self.stores()?;
         let mut ops = sled::Batch::default();
         let mut converted = 0usize;
-        for item in self.tree.scan_prefix([OLD_DELIVERY]) {
+        for item in st.tree.scan_prefix([OLD_DELIVERY]) {
             let (k, v) = item?;
             let Some((persona, rest)) = split_key(&k) else {
                 continue;
@@ -305,7 +377,7 @@ impl Inbox {
             converted += 1;
         }
         let mut ids: std::collections::BTreeMap<String, (u64, Vec<String>)> = Default::default();
-        for item in self.tree.scan_prefix([OLD_EVENT]) {
+        for item in st.tree.scan_prefix([OLD_EVENT]) {
             let (k, v) = item?;
             if let Some((persona, event_id)) = split_key(&k) {
                 let entry = ids.entry(persona.to_owned()).or_default();
@@ -320,7 +392,7 @@ impl Inbox {
         }
         let mut rooms: std::collections::BTreeMap<(String, String), Vec<TimelineLine>> =
             Default::default();
-        for item in self.tree.scan_prefix([OLD_TIMELINE]) {
+        for item in st.tree.scan_prefix([OLD_TIMELINE]) {
             let (k, v) = item?;
             if let Some((persona, _)) = split_key(&k) {
                 let line: TimelineLine = decode(&k, &v)?;
@@ -338,8 +410,8 @@ impl Inbox {
             ops.insert(room_key(&persona, &room), encode(&lines));
         }
         if converted > 0 {
-            self.tree.apply_batch(ops)?;
-            self.db.flush()?;
+            st.tree.apply_batch(ops)?;
+            st.db.flush()?;
             tracing::info!(keys = converted, "inbox converted from its first layout");
         }
         Ok(())
@@ -352,6 +424,7 @@ impl Inbox {
         persona: &str,
         f: impl FnOnce(&mut Seen) -> Result<T, InboxError>,
     ) -> Result<T, InboxError> {
+        let st = self.stores()?;
         let slot = {
             let mut all = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             all.entry(persona.to_owned()).or_default().clone()
@@ -359,7 +432,7 @@ impl Inbox {
         let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_none() {
             let mut seen = Seen::default();
-            for item in self.tree.scan_prefix(kkey(IDS, persona, b"")) {
+            for item in st.tree.scan_prefix(kkey(IDS, persona, b"")) {
                 let (k, v) = item?;
                 let (_, list) = decode_ids(&k, &v)?;
                 let last = split_key(&k).map_or(0, |(_, rest)| u64_of(rest));
@@ -411,6 +484,7 @@ impl Inbox {
         next_token: &str,
         write: SyncWrite<'_>,
     ) -> Result<Vec<u64>, InboxError> {
+        let st = self.stores()?;
         let SyncWrite {
             deliveries: batch,
             lines,
@@ -419,7 +493,7 @@ impl Inbox {
         } = write;
         self.with_seen(persona, |seen| {
             let next_key = key(persona, b"next_seq");
-            let first = self.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
+            let first = st.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
             let mut next = first;
             let mut ops = sled::Batch::default();
             let mut assigned = Vec::new();
@@ -442,7 +516,7 @@ impl Inbox {
                 let delivered = seen.ids.contains(h.delivery.event_id.as_str())
                     || ids.contains(&h.delivery.event_id.as_str());
                 // A replayed sync must not restart the wait of an event already held.
-                if !delivered && self.tree.get(&hk)?.is_none() {
+                if !delivered && st.tree.get(&hk)?.is_none() {
                     ops.insert(hk, encode(h));
                 }
             }
@@ -462,7 +536,7 @@ impl Inbox {
                         break;
                     }
                     let k = ids_key(persona, old);
-                    if let Some(v) = self.tree.get(&k)? {
+                    if let Some(v) = st.tree.get(&k)? {
                         let (_, list) = decode_ids(&k, &v)?;
                         for id in list {
                             seen.ids.remove(id.as_str());
@@ -475,8 +549,8 @@ impl Inbox {
             }
             ops.insert(next_key, &next.to_be_bytes());
             ops.insert(key(persona, b"token"), next_token.as_bytes());
-            self.tree.apply_batch(ops)?;
-            self.db.flush()?;
+            st.tree.apply_batch(ops)?;
+            st.db.flush()?;
             Ok(assigned)
         })
     }
@@ -508,7 +582,8 @@ impl Inbox {
 
     /// The events held back because they could not be decrypted yet, oldest first by key.
     pub fn held(&self, persona: &str) -> Result<Vec<Held>, InboxError> {
-        self.tree
+        let st = self.stores()?;
+        st.tree
             .scan_prefix(kkey(HELD, persona, b""))
             .map(|kv| {
                 let (k, v) = kv?;
@@ -519,8 +594,9 @@ impl Inbox {
 
     /// A room's stored recent timeline, oldest first.
     pub fn timeline(&self, persona: &str, room_id: &str) -> Result<Vec<TimelineLine>, InboxError> {
+        let st = self.stores()?;
         let k = room_key(persona, room_id);
-        Ok(match self.tree.get(&k)? {
+        Ok(match st.tree.get(&k)? {
             Some(v) => decode(&k, &v)?,
             None => Vec::new(),
         })
@@ -528,7 +604,8 @@ impl Inbox {
 
     /// The rooms with a stored timeline.
     pub fn timeline_rooms(&self, persona: &str) -> Result<Vec<String>, InboxError> {
-        self.tree
+        let st = self.stores()?;
+        st.tree
             .scan_prefix(kkey(ROOM, persona, b""))
             .keys()
             .map(|k| {
@@ -542,7 +619,8 @@ impl Inbox {
 
     /// The stored sync position (`None` before the first sync).
     pub fn sync_token(&self, persona: &str) -> Result<Option<String>, InboxError> {
-        Ok(self
+        let st = self.stores()?;
+        Ok(st
             .tree
             .get(key(persona, b"token"))?
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
@@ -551,13 +629,14 @@ impl Inbox {
     /// Highest, acknowledged and pending counts. Seqs are dense and every seq after the ack
     /// watermark is stored, so pending is their difference.
     pub fn counts(&self, persona: &str) -> Result<Counts, InboxError> {
-        let highest = self
+        let st = self.stores()?;
+        let highest = st
             .tree
             .get(key(persona, b"next_seq"))?
             .map(|v| u64_of(&v))
             .unwrap_or(1)
             .saturating_sub(1);
-        let acked_through = self
+        let acked_through = st
             .tree
             .get(key(persona, b"acked"))?
             .map(|v| u64_of(&v))
@@ -579,13 +658,14 @@ impl Inbox {
         limit: usize,
         reply_bytes: Option<usize>,
     ) -> Result<Page, InboxError> {
+        let st = self.stores()?;
         let counts = self.counts(persona)?;
         let from = after.max(counts.acked_through).saturating_add(1);
         let mut deliveries = Vec::new();
         let mut bytes = 0usize;
         let mut full = false;
         // The chunk holding `from` is the first whose last seq is at or after it.
-        'chunks: for item in self
+        'chunks: for item in st
             .tree
             .range(chunk_key(persona, from)..=chunk_key(persona, u64::MAX))
         {
@@ -646,9 +726,10 @@ impl Inbox {
     /// it is refused and nothing changes. Flushed before it returns. A chunk is removed once
     /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
+        let st = self.stores()?;
         let (after, changed) = self.ack_unflushed(persona, through)?;
         if changed {
-            self.db.flush()?;
+            st.db.flush()?;
         }
         Ok(after)
     }
@@ -657,24 +738,27 @@ impl Inbox {
     /// durable after the next [`Inbox::flush`]; nobody may be told it is done before that.
     /// Says whether it wrote anything.
     pub fn ack_unflushed(&self, persona: &str, through: u64) -> Result<(Counts, bool), InboxError> {
+        let st = self.stores()?;
         let mut ops = sled::Batch::default();
         let (after, changed) = self.ack_ops(persona, through, &mut ops)?;
         if changed {
-            self.tree.apply_batch(ops)?;
+            st.tree.apply_batch(ops)?;
         }
         Ok((after, changed))
     }
 
     /// Makes every write so far durable (one fsync for however many acks came before it).
     pub fn flush(&self) -> Result<(), InboxError> {
-        self.db.flush()?;
+        let st = self.stores()?;
+        st.db.flush()?;
         Ok(())
     }
 
     /// A session value of the Persona (`s:NAME` in the meta keys): session id, generation,
     /// the batch in flight.
     pub fn session_value(&self, persona: &str, name: &str) -> Result<Option<String>, InboxError> {
-        Ok(self
+        let st = self.stores()?;
+        Ok(st
             .tree
             .get(key(persona, format!("s:{name}").as_bytes()))?
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
@@ -687,12 +771,13 @@ impl Inbox {
         name: &str,
         value: Option<&str>,
     ) -> Result<(), InboxError> {
+        let st = self.stores()?;
         let k = key(persona, format!("s:{name}").as_bytes());
         match value {
-            Some(v) => self.tree.insert(k, v.as_bytes())?,
-            None => self.tree.remove(k)?,
+            Some(v) => st.tree.insert(k, v.as_bytes())?,
+            None => st.tree.remove(k)?,
         };
-        self.db.flush()?;
+        st.db.flush()?;
         Ok(())
     }
 
@@ -702,8 +787,9 @@ impl Inbox {
         persona: &str,
         request_id: &str,
     ) -> Result<Option<SendReceipt>, InboxError> {
+        let st = self.stores()?;
         let k = key(persona, request_id.as_bytes());
-        self.receipts
+        st.receipts
             .get(&k)?
             .map(|v| decode_receipt(&k, &v).map(|(_, r)| r))
             .transpose()
@@ -711,19 +797,22 @@ impl Inbox {
 
     /// Stores a send receipt (flushed) so a repeat of the request is answered without sending.
     pub fn store_receipt(&self, persona: &str, receipt: &SendReceipt) -> Result<(), InboxError> {
-        self.receipts.insert(
+        let st = self.stores()?;
+        st.receipts.insert(
             key(persona, receipt.request_id.as_bytes()),
             encode(&(now_ms(), receipt)),
         )?;
-        self.db.flush()?;
+        st.db.flush()?;
         Ok(())
     }
 }
 
+pub mod compact;
 pub mod notes;
 pub mod outbox;
 pub mod retention;
 
+pub use compact::{CompactWhen, Compacted};
 pub use notes::{Note, NotePut};
 pub use outbox::{ExtensionPage, TurnCommit};
 pub use retention::{Pruned, Retention};

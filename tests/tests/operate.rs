@@ -653,3 +653,112 @@ async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
     assert!(summaries.iter().all(|s| *s > 0), "{summaries:?}");
     println!("after 200 turns: {compactions} compactions, summaries {summaries:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_running_gateway_compacts_an_inbox_of_dead_records_and_keeps_what_is_pending() {
+    use gateway::inbox::{Inbox, SyncWrite};
+    use wire::docs::{AckReceipt, AckRequest, Delivery, PendingPage, PendingRequest};
+    let scene = Scene::new("operate-compact", Limits::Relaxed).await;
+    let (url, dir) = (scene.url.clone(), scene.dir.clone());
+    public_room(&scene.ann, "oc-lobby").await;
+    let organ = SigningKey::from_bytes(&[41; 32]);
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#oc-lobby:localhost"],
+        &[],
+        &format!(
+            "[[cultnet.client]]\nagent_id = \"organ\"\npublic_key = \"{}\"\npersonas = [\"*\"]\nverbs = [\"pending\", \"ack\"]\n\n[retention]\ncompact_above_mib = 1\n",
+            public_hex(&organ)
+        ),
+    );
+    // A first run stores her sync position.
+    let gw = GatewayProcess::start(&config);
+    gw.wait_log("gateway running", Duration::from_secs(60));
+    assert!(gw.stop().success());
+    // An inbox that has delivered 20,000 events, all but the last 7 acknowledged: sled keeps
+    // the space of every removed chunk.
+    let inbox_dir = dir.join("state/inbox");
+    let (before, live_before) = {
+        let inbox = Inbox::open(&inbox_dir).unwrap();
+        let token = inbox.sync_token("vera").unwrap().expect("a sync token");
+        for r in 0..200u32 {
+            let batch: Vec<Delivery> = (0..100)
+                .map(|i| Delivery {
+                    event_id: format!("$old-{r}-{i}"),
+                    room_id: "!elsewhere:localhost".into(),
+                    sender: "@ann:localhost".into(),
+                    text: "words ".repeat(50),
+                    ..Delivery::default()
+                })
+                .collect();
+            let write = SyncWrite {
+                deliveries: &batch,
+                ..SyncWrite::default()
+            };
+            inbox.ingest_sync("vera", &token, write).unwrap();
+            inbox
+                .ack("vera", inbox.counts("vera").unwrap().highest.min(19_993))
+                .unwrap();
+        }
+        let page = inbox.pending("vera", 0, 100, None).unwrap();
+        let ids: Vec<String> = page.deliveries.iter().map(|d| d.event_id.clone()).collect();
+        (inbox.disk_bytes(), ids)
+    };
+    assert_eq!(live_before.len(), 7);
+    let gw = GatewayProcess::start(&config);
+    gw.wait_log("inbox compacted", Duration::from_secs(60));
+    let after = gateway::inbox::compact::bytes_under(&inbox_dir);
+    println!("inbox files {before} bytes -> {after} bytes after the gateway's compaction");
+    assert!(after * 3 < before, "{before} -> {after} bytes");
+    // What was pending still is, and acknowledging it sticks.
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let page: PendingPage = c
+        .request(
+            ids::PENDING_REQUEST,
+            "p1",
+            &PendingRequest {
+                persona: "vera".into(),
+                ..PendingRequest::default()
+            },
+        )
+        .await
+        .unwrap();
+    let got: Vec<String> = page
+        .deliveries
+        .iter()
+        .map(|d| d.event_id.clone())
+        .filter(|id| id.starts_with("$old-"))
+        .collect();
+    assert_eq!(got, live_before);
+    let ack: AckReceipt = c
+        .request(
+            ids::ACK_REQUEST,
+            "a1",
+            &AckRequest {
+                persona: "vera".into(),
+                through_seq: 20_000,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ack.status, Status::Ok, "{ack:?}");
+    // A changed [retention] is taken on SIGHUP, without a restart.
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "compact_above_mib = 1",
+        "compact_above_mib = 2\nreceipts_days = 7",
+    );
+    std::fs::write(&config, text).unwrap();
+    std::process::Command::new("kill")
+        .args(["-HUP", &gw.pid().to_string()])
+        .status()
+        .unwrap();
+    gw.wait_log("[retention] changed", Duration::from_secs(30));
+    c.close().await;
+    assert!(gw.stop().success());
+    let inbox = Inbox::open(&inbox_dir).unwrap();
+    assert!(inbox.counts("vera").unwrap().acked_through >= 20_000);
+}

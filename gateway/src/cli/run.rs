@@ -192,11 +192,8 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     if started == 0 && !cfg.personas.is_empty() {
         anyhow::bail!("no Persona could start (see the errors above)");
     }
-    tasks.spawn(prune_hourly(
-        inbox.clone(),
-        cfg.retention.retention(),
-        stop_rx.clone(),
-    ));
+    let (retention, retention_rx) = watch::channel(cfg.retention);
+    tasks.spawn(prune_hourly(inbox.clone(), retention_rx, stop_rx.clone()));
     let (tx, applied) = tokio::sync::oneshot::channel();
     let update = service::Update {
         clients: cfg.cultnet.clients.clone(),
@@ -216,6 +213,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
             _ = term.recv() => break,
             _ = hup.recv() => {
                 cfg = reload(path, cfg, &inbox, &mut running, &shared, &updates).await;
+                retention.send_if_modified(|r| std::mem::replace(r, cfg.retention) != cfg.retention);
             }
         }
     }
@@ -234,28 +232,54 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prunes the inbox's event-id index and send receipts at start and every hour (off the
-/// runtime's workers: it scans sled).
+/// Prunes the inbox's event-id index and send receipts, then compacts its files if they are
+/// mostly dead records: at start, every hour, and at once when SIGHUP changes `[retention]`
+/// (off the runtime's workers: it scans sled).
 async fn prune_hourly(
     inbox: Inbox,
-    keep: gateway::inbox::Retention,
+    mut retention: watch::Receiver<gateway::config::RetentionConfig>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         let now = u64::try_from(ear::unix_ms()).unwrap_or(0);
+        let r = *retention.borrow_and_update();
         let i = inbox.clone();
-        match tokio::task::spawn_blocking(move || i.prune(now, keep)).await {
-            Ok(Ok(p)) => tracing::info!(
-                id_records = p.id_records,
-                receipts = p.receipts,
-                stamped = p.stamped,
-                "inbox pruned"
-            ),
-            Ok(Err(e)) => tracing::error!("pruning the inbox: {e}"),
+        let done = tokio::task::spawn_blocking(move || {
+            (
+                i.prune(now, r.retention()),
+                i.compact_if_wasteful(r.compact_when()),
+            )
+        });
+        match done.await {
+            Ok((pruned, compacted)) => {
+                match pruned {
+                    Ok(p) => tracing::info!(
+                        id_records = p.id_records,
+                        receipts = p.receipts,
+                        stamped = p.stamped,
+                        "inbox pruned"
+                    ),
+                    Err(e) => tracing::error!("pruning the inbox: {e}"),
+                }
+                match compacted {
+                    Ok(Some(c)) => tracing::info!(
+                        before = c.before,
+                        after = c.after,
+                        records = c.records,
+                        held_ms = c.held.as_millis() as u64,
+                        "inbox compacted"
+                    ),
+                    Ok(None) => {}
+                    Err(e) => tracing::error!("compacting the inbox: {e}"),
+                }
+            }
             Err(e) => tracing::error!("pruning the inbox: {e}"),
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
+            Ok(()) = retention.changed() => {
+                tracing::info!("SIGHUP: [retention] changed; pruning with it now");
+            }
             _ = stop.changed() => return,
         }
     }

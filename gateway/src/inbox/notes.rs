@@ -64,14 +64,15 @@ impl Inbox {
     /// Stores a (checked) note, flushed before it returns. A repeated note id changes nothing;
     /// a note of a replacing kind removes the waiting note of its kind and becomes the latest.
     pub fn put_note(&self, req: &NoteRequest, at_ms: i64) -> Result<NotePut, InboxError> {
+        let st = self.stores()?;
         let persona = req.persona.as_str();
-        if self.tree.get(id_key(persona, &req.note_id))?.is_some() {
+        if st.tree.get(id_key(persona, &req.note_id))?.is_some() {
             return Ok(NotePut {
                 duplicate: true,
                 pending: self.pending_notes(persona)?.len() as u64,
             });
         }
-        let seq = self
+        let seq = st
             .tree
             .get(key(persona, b"note_next"))?
             .map_or(1, |v| u64_of(&v));
@@ -97,8 +98,8 @@ impl Inbox {
         ops.insert(id_key(persona, &req.note_id), &seq.to_be_bytes());
         ops.insert(key(persona, b"note_next"), &(seq + 1).to_be_bytes());
         self.forget_old_note_ids(persona, seq, &mut ops)?;
-        self.tree.apply_batch(ops)?;
-        self.db.flush()?;
+        st.tree.apply_batch(ops)?;
+        st.db.flush()?;
         Ok(NotePut {
             duplicate: false,
             pending,
@@ -112,12 +113,13 @@ impl Inbox {
         seq: u64,
         ops: &mut sled::Batch,
     ) -> Result<(), InboxError> {
+        let st = self.stores()?;
         if !seq.is_multiple_of(1000) || seq <= NOTE_IDS_KEPT as u64 {
             return Ok(());
         }
         let horizon = seq - NOTE_IDS_KEPT as u64;
         let prefix = kkey(NOTE_ID, persona, b"");
-        for item in self.tree.scan_prefix(&prefix) {
+        for item in st.tree.scan_prefix(&prefix) {
             let (k, v) = item?;
             if u64_of(&v) < horizon {
                 ops.remove(k);
@@ -128,7 +130,8 @@ impl Inbox {
 
     /// Notes waiting to be shown, oldest first.
     pub fn pending_notes(&self, persona: &str) -> Result<Vec<Note>, InboxError> {
-        self.tree
+        let st = self.stores()?;
+        st.tree
             .scan_prefix(kkey(NOTE, persona, b""))
             .map(|item| {
                 let (k, v) = item?;
@@ -139,9 +142,10 @@ impl Inbox {
 
     /// The latest text of each replacing kind, in [`wire::docs::REPLACING_NOTE_KINDS`] order.
     pub fn latest_notes(&self, persona: &str) -> Result<Vec<(String, String)>, InboxError> {
+        let st = self.stores()?;
         let mut out = Vec::new();
         for kind in wire::docs::REPLACING_NOTE_KINDS {
-            if let Some(v) = self.tree.get(latest_key(persona, kind))? {
+            if let Some(v) = st.tree.get(latest_key(persona, kind))? {
                 out.push((kind.to_owned(), String::from_utf8_lossy(&v).into_owned()));
             }
         }

@@ -58,6 +58,7 @@ impl Inbox {
         through: u64,
         ops: &mut sled::Batch,
     ) -> Result<(Counts, bool), InboxError> {
+        let st = self.stores()?;
         let c = self.counts(persona)?;
         if through > c.highest {
             return Err(InboxError::AckBeyondHighest {
@@ -68,7 +69,7 @@ impl Inbox {
         if through <= c.acked_through {
             return Ok((c, false));
         }
-        for k in self
+        for k in st
             .tree
             .range(chunk_key(persona, 0)..=chunk_key(persona, through))
             .keys()
@@ -87,6 +88,7 @@ impl Inbox {
     /// Ends a turn in one flushed batch: its deliveries acked, its notes shown, its extension
     /// fields queued for CultNet clients.
     pub fn commit_turn(&self, persona: &str, t: &TurnCommit<'_>) -> Result<Counts, InboxError> {
+        let st = self.stores()?;
         let mut ops = sled::Batch::default();
         let counts = match t.ack_through {
             Some(through) => self.ack_ops(persona, through, &mut ops)?.0,
@@ -95,7 +97,7 @@ impl Inbox {
         for seq in t.notes_shown {
             ops.remove(note_key(persona, *seq));
         }
-        let mut next = self
+        let mut next = st
             .tree
             .get(key(persona, b"ext_next"))?
             .map_or(1, |v| u64_of(&v));
@@ -121,19 +123,20 @@ impl Inbox {
             key(persona, b"s:last_turn_ms"),
             t.at_ms.to_string().as_bytes(),
         );
-        self.tree.apply_batch(ops)?;
-        self.db.flush()?;
+        st.tree.apply_batch(ops)?;
+        st.db.flush()?;
         Ok(counts)
     }
 
     /// Highest extension seq assigned and the ack watermark.
     fn extension_marks(&self, persona: &str) -> Result<(u64, u64), InboxError> {
-        let highest = self
+        let st = self.stores()?;
+        let highest = st
             .tree
             .get(key(persona, b"ext_next"))?
             .map_or(1, |v| u64_of(&v))
             .saturating_sub(1);
-        let acked = self
+        let acked = st
             .tree
             .get(key(persona, b"ext_acked"))?
             .map_or(0, |v| u64_of(&v));
@@ -147,10 +150,11 @@ impl Inbox {
         after: u64,
         limit: usize,
     ) -> Result<ExtensionPage, InboxError> {
+        let st = self.stores()?;
         let (highest, acked) = self.extension_marks(persona)?;
         let from = after.max(acked).saturating_add(1);
         let mut extensions = Vec::new();
-        for item in self
+        for item in st
             .tree
             .range(out_key(persona, from)..=out_key(persona, u64::MAX))
             .take(limit.max(1))
@@ -170,6 +174,7 @@ impl Inbox {
     /// Acknowledges extension fields through `through`: idempotent, flushed; beyond the highest
     /// assigned seq it is refused and nothing changes. Returns what is still pending.
     pub fn ack_extensions(&self, persona: &str, through: u64) -> Result<u64, InboxError> {
+        let st = self.stores()?;
         let (highest, acked) = self.extension_marks(persona)?;
         if through > highest {
             return Err(InboxError::AckBeyondHighest { through, highest });
@@ -178,7 +183,7 @@ impl Inbox {
             return Ok(highest - acked);
         }
         let mut ops = sled::Batch::default();
-        for k in self
+        for k in st
             .tree
             .range(out_key(persona, 0)..=out_key(persona, through))
             .keys()
@@ -186,8 +191,8 @@ impl Inbox {
             ops.remove(k?);
         }
         ops.insert(key(persona, b"ext_acked"), &through.to_be_bytes());
-        self.tree.apply_batch(ops)?;
-        self.db.flush()?;
+        st.tree.apply_batch(ops)?;
+        st.db.flush()?;
         Ok(highest - through)
     }
 }

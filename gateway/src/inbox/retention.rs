@@ -43,13 +43,14 @@ impl Inbox {
     /// Removes event-id records and send receipts older than `keep` at `now_ms`, for every
     /// Persona; flushed before it returns. Meant for a periodic task, off the async runtime.
     pub fn prune(&self, now_ms: u64, keep: Retention) -> Result<Pruned, InboxError> {
+        let st = self.stores()?;
         let mut out = Pruned::default();
         let horizon =
             |d: Duration| now_ms.saturating_sub(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let (ids_before, receipts_before) = (horizon(keep.event_ids), horizon(keep.receipts));
         let mut ops = sled::Batch::default();
         let mut touched = std::collections::BTreeSet::new();
-        for item in self.tree.scan_prefix([IDS]) {
+        for item in st.tree.scan_prefix([IDS]) {
             let (k, v) = item?;
             let (at, ids) = decode_ids(&k, &v)?;
             match at {
@@ -67,7 +68,7 @@ impl Inbox {
                 Some(_) => {}
             }
         }
-        self.tree.apply_batch(ops)?;
+        st.tree.apply_batch(ops)?;
         // The Personas whose dedupe sets lost records load them again from the store.
         if !touched.is_empty() {
             let mut all = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -76,7 +77,7 @@ impl Inbox {
             }
         }
         let mut ops = sled::Batch::default();
-        for item in self.receipts.iter() {
+        for item in st.receipts.iter() {
             let (k, v) = item?;
             let (at, receipt) = decode_receipt(&k, &v)?;
             match at {
@@ -91,8 +92,8 @@ impl Inbox {
                 Some(_) => {}
             }
         }
-        self.receipts.apply_batch(ops)?;
-        self.db.flush()?;
+        st.receipts.apply_batch(ops)?;
+        st.db.flush()?;
         Ok(out)
     }
 }

@@ -6,7 +6,7 @@ use wire::docs::{Delivery, SendReceipt, Status};
 
 use super::*;
 
-fn dir(name: &str) -> PathBuf {
+pub(super) fn dir(name: &str) -> PathBuf {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let d = std::env::temp_dir().join(format!(
@@ -18,7 +18,7 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-fn d(event: &str, text: &str) -> Delivery {
+pub(super) fn d(event: &str, text: &str) -> Delivery {
     Delivery {
         event_id: event.into(),
         room_id: "!r".into(),
@@ -212,10 +212,14 @@ fn event_ids_and_receipts_are_pruned_by_age_and_old_records_get_a_time() {
     inbox.store_receipt("mira", &r("req-1")).unwrap();
     // A record in the first layout (ids alone, a bare receipt): no time.
     inbox
+        .stores()
+        .unwrap()
         .tree
         .insert(ids_key("otto", 7), encode(&vec!["$old".to_owned()]))
         .unwrap();
     inbox
+        .stores()
+        .unwrap()
         .receipts
         .insert(key("otto", b"req-0"), encode(&r("req-0")))
         .unwrap();
@@ -288,7 +292,7 @@ fn open_waits_for_a_lock_being_released_and_gives_up_on_one_that_is_not() {
     // Held for good: a typed error after the bounded wait, not a hang.
     let started = std::time::Instant::now();
     let err = Inbox::open(&path).unwrap_err();
-    assert!(matches!(err, InboxError::Store(_)), "{err}");
+    assert!(matches!(err, InboxError::Locked { .. }), "{err}");
     assert!(
         started.elapsed() >= LOCK_WAIT,
         "gave up after {:?}",
@@ -381,7 +385,7 @@ proptest! {
     }
 }
 
-fn tl(room: &str, id: &str) -> TimelineLine {
+pub(super) fn tl(room: &str, id: &str) -> TimelineLine {
     TimelineLine {
         room_id: room.into(),
         thread: None,
@@ -548,7 +552,7 @@ fn a_partly_acknowledged_response_keeps_its_rest_across_reopen() {
     assert!(inbox.ingest("p", "t3", &[d("$0", "x")]).unwrap().is_empty());
     inbox.ack("p", 6).unwrap();
     assert_eq!(
-        inbox.tree.scan_prefix([CHUNK]).count(),
+        inbox.stores().unwrap().tree.scan_prefix([CHUNK]).count(),
         0,
         "no chunk is left"
     );
@@ -567,7 +571,15 @@ fn dedupe_remembers_a_window_of_ids_across_reopen() {
             .ingest("p", "t", &[d("$5", "x"), d("$2", "x")])
             .unwrap()
             .is_empty());
-        assert_eq!(inbox.tree.scan_prefix(kkey(IDS, "p", b"")).count(), 4);
+        assert_eq!(
+            inbox
+                .stores()
+                .unwrap()
+                .tree
+                .scan_prefix(kkey(IDS, "p", b""))
+                .count(),
+            4
+        );
         assert_eq!(inbox.ingest("p", "t", &[d("$0", "x")]).unwrap(), vec![7]);
     }
     // After a reopen the set is rebuilt from the records (the default window is larger).
@@ -633,7 +645,7 @@ fn an_inbox_of_the_first_layout_is_converted_with_nothing_lost() {
         .collect();
     assert_eq!(lines, vec!["$t0", "$t1"]);
     for kind in [OLD_DELIVERY, OLD_EVENT, OLD_TIMELINE] {
-        assert_eq!(inbox.tree.scan_prefix([kind]).count(), 0);
+        assert_eq!(inbox.stores().unwrap().tree.scan_prefix([kind]).count(), 0);
     }
     inbox.ack("p", 4).unwrap();
     assert_eq!(inbox.counts("p").unwrap().pending, 0);
