@@ -233,13 +233,25 @@ impl Snapshot {
         ports: &BTreeMap<String, Port>,
         endpoint: &EndpointHandle,
     ) -> Self {
+        // sled reads (and a compaction holding the inbox) stay off the runtime's workers.
+        let counts = {
+            let (inbox, ids) = (inbox.clone(), ids.to_vec());
+            tokio::task::spawn_blocking(move || {
+                ids.iter()
+                    .map(|id| inbox.counts(id).unwrap_or_default())
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default()
+        };
         let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
         let starting = Port::new("", 0);
         let personas = ids
             .iter()
-            .map(|id| (id, ports.get(id).unwrap_or(&starting)))
-            .map(|(id, port)| {
-                let c = inbox.counts(id).unwrap_or_default();
+            .enumerate()
+            .map(|(i, id)| (i, id, ports.get(id).unwrap_or(&starting)))
+            .map(|(i, id, port)| {
+                let c = counts.get(i).copied().unwrap_or_default();
                 let ear = port.ear.as_ref();
                 let load = |f: fn(&crate::ear::EarStats) -> &std::sync::atomic::AtomicU64| {
                     ear.map_or(0, |e| f(e).load(Ordering::Relaxed))

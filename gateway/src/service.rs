@@ -221,10 +221,16 @@ impl Drop for InFlight {
     }
 }
 
-/// What the service keeps per authenticated client.
+/// What the service keeps per authenticated session: whose it is. Its limits are the
+/// agent's ([`Agent`]), so a client that reconnects does not start over with a full bucket.
 #[derive(Debug)]
 struct Peer {
     agent: String,
+}
+
+/// What the service keeps per configured client (agent), across its sessions and reconnects.
+#[derive(Debug)]
+struct Agent {
     budget: Budget,
     in_flight: Arc<std::sync::atomic::AtomicUsize>,
 }
@@ -261,6 +267,8 @@ pub struct Service {
     clients: HashMap<String, (VerifyingKey, Client)>,
     ports: BTreeMap<String, Port>,
     peers: HashMap<SocketAddr, Peer>,
+    /// One per agent that has connected (at most one per configured client).
+    agents: HashMap<String, Agent>,
     greeted: std::collections::HashSet<SocketAddr>,
     /// Nonces used, with when they were signed and the address that used them.
     nonces: HashMap<(String, String), (u64, SocketAddr)>,
@@ -295,6 +303,7 @@ impl Service {
             clients,
             ports,
             peers: HashMap::new(),
+            agents: HashMap::new(),
             greeted: Default::default(),
             nonces: HashMap::new(),
             stats: ServiceStats::default(),
@@ -347,10 +356,13 @@ impl Service {
                     peer,
                     Peer {
                         agent: agent.clone(),
-                        budget: Budget::new(&self.limits, std::time::Instant::now()),
-                        in_flight: Arc::default(),
                     },
                 );
+                let limits = self.limits;
+                self.agents.entry(agent.clone()).or_insert_with(|| Agent {
+                    budget: Budget::new(&limits, std::time::Instant::now()),
+                    in_flight: Arc::default(),
+                });
                 let m = crate::metrics::global();
                 m.connects_accepted.inc();
                 m.peers.set(self.peers.len() as i64);
@@ -438,11 +450,16 @@ impl Service {
         now: std::time::Instant,
     ) -> Vec<Answer> {
         let limits = self.limits;
-        let Some(p) = self.peers.get_mut(&peer) else {
+        let Some(p) = self.peers.get(&peer) else {
             return Vec::new();
         };
         let agent = p.agent.clone();
-        match p.budget.take(&limits, now) {
+        let a = self.agents.entry(agent.clone()).or_insert_with(|| Agent {
+            budget: Budget::new(&limits, now),
+            in_flight: Arc::default(),
+        });
+        let in_flight = a.in_flight.clone();
+        match a.budget.take(&limits, now) {
             Verdict::Allow => {}
             Verdict::Refuse => {
                 self.stats.limited += 1;
@@ -464,7 +481,6 @@ impl Service {
                 ))];
             }
         }
-        let in_flight = p.in_flight.clone();
         self.handle_allowed(peer, &agent, frame, &in_flight)
     }
 
@@ -1145,6 +1161,8 @@ impl Service {
     /// Takes a reloaded config's clients and the Personas as they now run.
     pub fn update(&mut self, mut u: Update) {
         self.clients = pinned(&u.clients);
+        let clients = &self.clients;
+        self.agents.retain(|agent, _| clients.contains_key(agent));
         self.ports = std::mem::take(&mut u.ports);
         tracing::info!(
             clients = self.clients.len(),

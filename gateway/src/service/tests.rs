@@ -601,6 +601,19 @@ fn a_client_over_its_rate_is_answered_failed_then_cut_off_and_others_go_on() {
     let later = t0 + std::time::Duration::from_millis(100);
     let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle_at(peer(2), &status, later));
     assert_eq!(s.personas.len(), 2);
+    // The budget is the agent's: reconnecting (a new address, a new nonce) does not refill it,
+    // and it has not come back from being told within the second: cut off again.
+    connect(&mut f.svc, peer(3), "organ", 1, "n3").unwrap();
+    let answers = f.svc.handle_at(peer(3), &status, t0);
+    assert!(
+        matches!(&answers[..], [Answer::Disconnect(why)] if why.contains("rate limit")),
+        "{answers:?}"
+    );
+    // A second on, its bucket has refilled at its rate, on a new session as on the old.
+    connect(&mut f.svc, peer(4), "organ", 1, "n4").unwrap();
+    let second = t0 + std::time::Duration::from_secs(1);
+    let (_, _, s): (_, _, GatewayStatus) = receipt(&f.svc.handle_at(peer(4), &status, second));
+    assert_eq!(s.personas.len(), 1, "the organ's one Persona");
 }
 
 #[test]
