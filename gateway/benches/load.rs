@@ -9,7 +9,8 @@
 //! same layout: an echo task on a thread of its own, the same number of client sockets.
 //!
 //! `cargo bench -p gateway --bench load`; `REQUESTS=N` requests per client per kind (default
-//! 10,000 / clients, at least 400).
+//! 10,000 / clients, at least 400); `CLIENTS=1,10` and `KINDS=status,pending,ack` for part of
+//! it (to profile one).
 
 mod support;
 
@@ -227,12 +228,23 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("cultnet-load-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("inbox");
-    let max_clients = CLIENTS.iter().copied().max().unwrap_or(1);
+    let list = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let sizes: Vec<usize> = match list("CLIENTS") {
+        Some(v) => v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+        None => CLIENTS.to_vec(),
+    };
+    let kinds: Vec<Kind> = [Kind::Status, Kind::Pending, Kind::Ack]
+        .into_iter()
+        .filter(|k| {
+            list("KINDS").is_none_or(|v| v.split(',').any(|n| k.name().starts_with(n.trim())))
+        })
+        .collect();
+    let max_clients = sizes.iter().copied().max().unwrap_or(1);
     // Every client has its own Persona with mail for every run's pages and acks.
     let mut ports = BTreeMap::new();
     for p in 0..max_clients {
         let id = format!("p{p}");
-        let needed: usize = CLIENTS.iter().filter(|n| p < **n).map(|n| per(*n)).sum();
+        let needed: usize = sizes.iter().filter(|n| p < **n).map(|n| per(*n)).sum();
         for r in 0..(needed + 20).div_ceil(100) as u64 {
             inbox
                 .ingest(&id, &format!("s{r}"), &support::response(r))
@@ -286,7 +298,7 @@ fn main() {
     );
     client_rt.block_on(async {
         let mut acked = vec![0usize; max_clients];
-        for n in CLIENTS {
+        for &n in &sizes {
             let f = floor(n, per(n)).await;
             println!(
                 "| bare UDP ping-pong (floor) | {n} | {:.0} | {:.0} µs | {:.0} µs | 1.00 | 1.00 |",
@@ -294,7 +306,7 @@ fn main() {
                 us(f.p50),
                 us(f.p99)
             );
-            for kind in [Kind::Status, Kind::Pending, Kind::Ack] {
+            for &kind in &kinds {
                 let g = load(server, &key, n, per(n), kind, &acked).await;
                 println!(
                     "| {} | {n} | {:.0} | {:.0} µs | {:.0} µs | {:.2} | {:.2} |",
