@@ -33,6 +33,9 @@ pub struct CompactWhen {
     pub min_bytes: u64,
     /// Compact when the files are at least this many times the live records.
     pub ratio: u64,
+    /// Not while more than this is live (a large backlog not yet acknowledged): the copy holds
+    /// the inbox, and everyone waiting on it, for as long as it takes.
+    pub max_live_bytes: u64,
 }
 
 impl Default for CompactWhen {
@@ -40,6 +43,7 @@ impl Default for CompactWhen {
         Self {
             min_bytes: 64 << 20,
             ratio: 4,
+            max_live_bytes: 32 << 20,
         }
     }
 }
@@ -221,7 +225,7 @@ impl Inbox {
     }
 
     /// Compacts when the files are at least `when.min_bytes` and `when.ratio` times the live
-    /// records. The live records are counted (a scan) only once the files have doubled since
+    /// records, and those are at most `when.max_live_bytes`. The live records are counted (a scan) only once the files have doubled since
     /// the last count or compaction, so a periodic call is cheap. `None`: nothing to do.
     pub fn compact_if_wasteful(&self, when: CompactWhen) -> Result<Option<Compacted>, InboxError> {
         let disk = self.disk_bytes();
@@ -229,7 +233,14 @@ impl Inbox {
             return Ok(None);
         }
         let live = live_bytes(&*self.stores()?)?;
-        if disk < live.saturating_mul(when.ratio) {
+        if disk < live.saturating_mul(when.ratio) || live > when.max_live_bytes {
+            if live > when.max_live_bytes {
+                tracing::info!(
+                    live,
+                    disk,
+                    "inbox not compacted: too much is live (a backlog waiting for its ack)"
+                );
+            }
             self.baseline.store(disk, Ordering::Relaxed);
             return Ok(None);
         }

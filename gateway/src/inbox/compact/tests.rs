@@ -173,7 +173,7 @@ fn compact_if_wasteful_looks_at_the_live_share_and_not_too_often() {
     let disk = inbox.disk_bytes();
     let never = CompactWhen {
         min_bytes: disk + 1,
-        ratio: 4,
+        ..CompactWhen::default()
     };
     assert_eq!(inbox.compact_if_wasteful(never).unwrap(), None);
     // Everything pending: the live records are most of the files.
@@ -187,9 +187,18 @@ fn compact_if_wasteful_looks_at_the_live_share_and_not_too_often() {
     }
     let when = CompactWhen {
         min_bytes: 0,
-        ratio: 4,
+        ..CompactWhen::default()
     };
     assert_eq!(full.compact_if_wasteful(when).unwrap(), None);
+    // Wasteful, but more is live than a copy may hold the inbox for.
+    let capped = CompactWhen {
+        min_bytes: 0,
+        max_live_bytes: 1_000,
+        ..CompactWhen::default()
+    };
+    assert_eq!(inbox.compact_if_wasteful(capped).unwrap(), None);
+    drop(inbox);
+    let inbox = Inbox::open(&path).unwrap();
     // Mostly acknowledged: compacted, and not looked at again before the files double.
     let c = inbox.compact_if_wasteful(when).unwrap().expect("compacted");
     assert!(c.after < c.before);
