@@ -47,8 +47,15 @@ fn client_block(agent: &str, key: &SigningKey) -> String {
     )
 }
 
+/// Another client's key: limits are per agent, so a flood must come from another agent to
+/// leave `organ` alone.
+fn flooder_key() -> SigningKey {
+    SigningKey::from_bytes(&[22; 32])
+}
+
 /// A gateway for vera (mouth-only) in `#room`, with `cultnet` lines added to its `[cultnet]`
-/// section and one client `organ`; `n` lines already said in the room, visible as pending.
+/// section and two clients, `organ` (the key returned) and `flooder` ([`flooder_key`]); `n`
+/// lines already said in the room, visible as pending.
 async fn setup(
     name: &str,
     cultnet: &str,
@@ -66,7 +73,9 @@ async fn setup(
         "",
     );
     add_cultnet_lines(&config, cultnet);
-    let text = std::fs::read_to_string(&config).unwrap() + client_block("organ", &key).as_str();
+    let text = std::fs::read_to_string(&config).unwrap()
+        + client_block("organ", &key).as_str()
+        + client_block("flooder", &flooder_key()).as_str();
     std::fs::write(&config, text).unwrap();
     let gw = GatewayProcess::start(&config);
     for i in 0..n {
@@ -158,7 +167,14 @@ async fn fifty_clients_are_answered_while_another_process_sprays_the_endpoint() 
     let _one = ONE_AT_A_TIME.lock().await;
     const CLIENTS: usize = 50;
     const REQUESTS: usize = 1000;
-    let (_scene, gw, key, _room) = setup("atk-load", "", 10).await;
+    // The 50 sessions are one agent's and share its budget (limits are per agent): room for
+    // 50,000 requests at full speed.
+    let (_scene, gw, key, _room) = setup(
+        "atk-load",
+        "requests_per_sec = 100000\nrequest_burst = 100000",
+        10,
+    )
+    .await;
     let addr = gw.cultnet_addr();
     // A real client connects with a payload the sprayer then replays from 500 addresses.
     let payload = ConnectPayload::sign(
@@ -363,10 +379,11 @@ async fn a_flooding_client_is_limited_and_another_clients_p99_stays_within_bound
     let alone = p99(&mut b, "alone").await;
     // The flooder sends status requests without waiting, as fast as it can, and reads what
     // comes back: rate-limit errors, then a disconnect; it reconnects and goes on (a buggy
-    // client would) until the other client has measured.
+    // client would; its budget is its agent's, so reconnecting does not refill it) until the
+    // other client has measured.
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stop = done.clone();
-    let fkey = key.clone();
+    let fkey = flooder_key();
     let flood = tokio::spawn(async move {
         let (mut sent, mut answered, mut limited, mut cut_offs) =
             (0usize, 0usize, 0usize, Vec::new());
@@ -377,7 +394,7 @@ async fn a_flooding_client_is_limited_and_another_clients_p99_stays_within_bound
                 "2026-12-03T00:00:00Z",
                 &StatusRequest::default(),
             );
-            doc.source_agent_id = Some("organ".into());
+            doc.source_agent_id = Some("flooder".into());
             Message::DocumentPutRaw(Put {
                 message_id: format!("m{i}"),
                 document: doc,
@@ -385,7 +402,7 @@ async fn a_flooding_client_is_limited_and_another_clients_p99_stays_within_bound
             .encode()
         };
         'connect: while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-            let Ok(mut c) = Client::connect(addr, "organ", &fkey, Duration::from_secs(10)).await
+            let Ok(mut c) = Client::connect(addr, "flooder", &fkey, Duration::from_secs(10)).await
             else {
                 continue;
             };
