@@ -266,23 +266,33 @@ impl Inbox {
         };
         current.db.flush()?;
         let before = bytes_under(path);
+        // Left by an attempt that failed before its swap (the original was kept).
+        if marker.exists() {
+            std::fs::remove_file(&marker).map_err(io("removing", &marker))?;
+        }
         if copy.exists() {
             remove_dir(&copy)?;
         }
-        let (live, records) = match copy_into(current, &copy).and_then(|n| {
-            wait_released(&copy)?;
-            Ok(n)
-        }) {
+        let copied = copy_into(current, &copy)
+            .and_then(|n| {
+                wait_released(&copy)?;
+                Ok(n)
+            })
+            .and_then(|n| {
+                std::fs::File::create(&marker)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io("creating", &marker))?;
+                sync_dir(parent)?;
+                Ok(n)
+            });
+        let (live, records) = match copied {
             Ok(n) => n,
             Err(e) => {
+                let _ = std::fs::remove_file(&marker);
                 let _ = std::fs::remove_dir_all(&copy);
                 return Err(e);
             }
         };
-        std::fs::File::create(&marker)
-            .and_then(|f| f.sync_all())
-            .map_err(io("creating", &marker))?;
-        sync_dir(parent)?;
         // Closed from here on: nothing may write to the original once the copy is taken.
         drop(guard.take());
         let swapped = wait_released(path)
