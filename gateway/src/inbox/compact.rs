@@ -65,6 +65,9 @@ pub struct Compacted {
     pub held: Duration,
 }
 
+/// How long a compaction waits for the operations in progress to end.
+const WRITE_WAIT: Duration = Duration::from_secs(30);
+
 /// How long a compaction waits for sled to let go of a database it closed.
 const RELEASE_WAIT: Duration = Duration::from_secs(10);
 
@@ -261,7 +264,15 @@ impl Inbox {
             sibling(path, ".old"),
         );
         let parent = path.parent().unwrap_or(Path::new("."));
-        let mut guard = self.stores.write();
+        // Readers take the lock recursively and so may pass a waiting compaction: it gives up
+        // (to try again at the next check) rather than wait without end.
+        let mut guard = self
+            .stores
+            .try_write_for(WRITE_WAIT)
+            .ok_or_else(|| InboxError::Io {
+                what: "waiting for the inbox to be free for a compaction".into(),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?;
         let started = Instant::now();
         let Some(current) = guard.as_ref() else {
             return Err(InboxError::Closed);
