@@ -4,7 +4,10 @@
 //! sync response to its deliveries being visible (p50, p99), homeserver excluded.
 //! Then the disk it takes: a million deliveries (10,000 responses of 100, with their timeline
 //! lines), each tenth response acknowledged with everything before it, then the bytes of the
-//! sled files per delivery, before and after a prune of everything past its retention.
+//! sled files per delivery, before and after a prune of everything past its retention, and after
+//! a compaction; then the same deliveries with `compact_if_wasteful` every 10,000 (as the
+//! gateway runs it: peak and final bytes); then how long compacting a 40 MB backlog holds the
+//! inbox.
 //! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300); `DISK_DELIVERIES=N`
 //! (default 1,000,000; 0 skips).
 
@@ -21,9 +24,7 @@ fn main() {
         return;
     }
     let responses = support::env_count("RESPONSES", 300);
-    let dir = std::env::temp_dir().join(format!("cultnet-inbox-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let inbox = Inbox::open(&dir).expect("open");
+    let (dir, inbox) = fresh("bench");
     let mut lat = Vec::new();
     let start = Instant::now();
     for r in 0..responses {
@@ -73,8 +74,8 @@ fn main() {
     );
     let _ = std::fs::remove_dir_all(&dir);
     let deliveries = support::env_count("DISK_DELIVERIES", 1_000_000);
-    disk(deliveries, false);
-    disk(deliveries, true);
+    disk(deliveries);
+    disk_checked(deliveries);
     held_with_a_backlog();
 }
 
@@ -95,18 +96,18 @@ fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
         .collect()
 }
 
-/// With `checked`, `compact_if_wasteful` runs (defaults) every 10,000 deliveries, as the
-/// gateway's hourly task does, and the peak and final bytes are printed instead.
-fn disk(deliveries: u64, checked: bool) {
-    if deliveries == 0 {
-        return;
-    }
-    let mut peak = 0u64;
-    let mut compactions = Vec::new();
-    let dir = std::env::temp_dir().join(format!("cultnet-inbox-disk-{}", std::process::id()));
+/// A fresh inbox in the temp directory, named for the measurement.
+fn fresh(name: &str) -> (std::path::PathBuf, Inbox) {
+    let dir = std::env::temp_dir().join(format!("cultnet-inbox-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let inbox = Inbox::open(&dir).expect("open");
-    let start = Instant::now();
+    (dir, inbox)
+}
+
+/// Stores `deliveries` (rounded up to responses of 100, with their timeline lines), each tenth
+/// response acknowledged with everything before it, and everything at the end; `every_100`
+/// runs after each hundredth response. Returns the responses stored.
+fn deliver(inbox: &Inbox, deliveries: u64, mut every_100: impl FnMut(&Inbox)) -> u64 {
     let responses = deliveries.div_ceil(100);
     for r in 0..responses {
         let batch = support::response(r);
@@ -126,34 +127,24 @@ fn disk(deliveries: u64, checked: bool) {
             let c = inbox.counts("mira").expect("counts");
             inbox.ack("mira", c.highest).expect("ack");
         }
-        if checked && r % 100 == 99 {
-            peak = peak.max(inbox.disk_bytes());
-            if let Some(c) = inbox
-                .compact_if_wasteful(gateway::inbox::CompactWhen::default())
-                .expect("compact")
-            {
-                compactions.push(c.held);
-            }
+        if r % 100 == 99 {
+            every_100(inbox);
         }
     }
     let c = inbox.counts("mira").expect("counts");
     inbox.ack("mira", c.highest).expect("ack");
-    if checked {
-        let held: Vec<f64> = compactions.iter().map(|h| h.as_secs_f64() * 1e3).collect();
-        println!(
-            "inbox disk with compact_if_wasteful every 10,000 of {} deliveries ({:.1} s): peak {} bytes, at the end {} bytes; {} compactions holding the inbox {:.0}-{:.0} ms",
-            responses * 100,
-            start.elapsed().as_secs_f64(),
-            peak,
-            inbox.disk_bytes(),
-            held.len(),
-            held.iter().copied().fold(f64::INFINITY, f64::min),
-            held.iter().copied().fold(0.0, f64::max),
-        );
-        drop(inbox);
-        let _ = std::fs::remove_dir_all(&dir);
+    responses
+}
+
+/// The disk after `deliveries`, all acknowledged: as sled leaves it, after pruning and
+/// reopening, and after one compaction.
+fn disk(deliveries: u64) {
+    if deliveries == 0 {
         return;
     }
+    let (dir, inbox) = fresh("disk");
+    let start = Instant::now();
+    let responses = deliver(&inbox, deliveries, |_| {});
     let took = start.elapsed();
     let before = bytes_under(&dir);
     let now = u64::try_from(
@@ -186,18 +177,45 @@ fn disk(deliveries: u64, checked: bool) {
         compacted.live,
         compacted.held.as_secs_f64() * 1000.0,
     );
-    // The steady state a running gateway keeps: compacted whenever the files reach 4x the live
-    // records (at least 64 MiB by default); before, they only grew.
+    let _ = std::fs::remove_dir_all(&dir);
+}
 
+/// The disk as a running gateway keeps it: `compact_if_wasteful` (defaults) every 10,000
+/// deliveries, as its hourly task does; the peak and final bytes.
+fn disk_checked(deliveries: u64) {
+    if deliveries == 0 {
+        return;
+    }
+    let (dir, inbox) = fresh("disk-checked");
+    let start = Instant::now();
+    let (mut peak, mut held) = (0u64, Vec::new());
+    let responses = deliver(&inbox, deliveries, |inbox| {
+        peak = peak.max(inbox.disk_bytes());
+        if let Some(c) = inbox
+            .compact_if_wasteful(gateway::inbox::CompactWhen::default())
+            .expect("compact")
+        {
+            held.push(c.held.as_secs_f64() * 1e3);
+        }
+    });
+    println!(
+        "inbox disk with compact_if_wasteful every 10,000 of {} deliveries ({:.1} s): peak {} bytes, at the end {} bytes; {} compactions holding the inbox {:.0}-{:.0} ms",
+        responses * 100,
+        start.elapsed().as_secs_f64(),
+        peak,
+        inbox.disk_bytes(),
+        held.len(),
+        held.iter().copied().fold(f64::INFINITY, f64::min),
+        held.iter().copied().fold(0.0, f64::max),
+    );
+    drop(inbox);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// How long a compaction holds the inbox when it copies a backlog near the default cap
 /// (`max_live_bytes`, 32 MiB): 45,000 unacknowledged deliveries of ~700 bytes.
 fn held_with_a_backlog() {
-    let dir = std::env::temp_dir().join(format!("cultnet-inbox-backlog-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let inbox = Inbox::open(&dir).expect("open");
+    let (dir, inbox) = fresh("backlog");
     for r in 0..450 {
         inbox
             .ingest("mira", &format!("s{r}"), &support::response(r))

@@ -230,15 +230,28 @@ fn main() {
     let inbox = Inbox::open(&dir).expect("inbox");
     let list = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let sizes: Vec<usize> = match list("CLIENTS") {
-        Some(v) => v.split(',').filter_map(|n| n.trim().parse().ok()).collect(),
+        Some(v) => v
+            .split(',')
+            .map(|n| {
+                n.trim()
+                    .parse()
+                    .unwrap_or_else(|_| panic!("CLIENTS: {n:?} is not a number of clients"))
+            })
+            .collect(),
         None => CLIENTS.to_vec(),
     };
-    let kinds: Vec<Kind> = [Kind::Status, Kind::Pending, Kind::Ack]
-        .into_iter()
-        .filter(|k| {
-            list("KINDS").is_none_or(|v| v.split(',').any(|n| k.name().starts_with(n.trim())))
-        })
-        .collect();
+    let all = [Kind::Status, Kind::Pending, Kind::Ack];
+    let kinds: Vec<Kind> = match list("KINDS") {
+        Some(v) => v
+            .split(',')
+            .map(|n| {
+                all.into_iter()
+                    .find(|k| k.name().starts_with(n.trim()))
+                    .unwrap_or_else(|| panic!("KINDS: {n:?} is not status, pending or ack"))
+            })
+            .collect(),
+        None => all.to_vec(),
+    };
     let max_clients = sizes.iter().copied().max().unwrap_or(1);
     // Every client has its own Persona with mail for every run's pages and acks.
     let mut ports = BTreeMap::new();

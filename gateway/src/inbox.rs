@@ -726,10 +726,9 @@ impl Inbox {
     /// it is refused and nothing changes. Flushed before it returns. A chunk is removed once
     /// all of it is acknowledged; until then the watermark hides its acknowledged part.
     pub fn ack(&self, persona: &str, through: u64) -> Result<Counts, InboxError> {
-        let st = self.stores()?;
         let (after, changed) = self.ack_unflushed(persona, through)?;
         if changed {
-            st.db.flush()?;
+            self.flush()?;
         }
         Ok(after)
     }

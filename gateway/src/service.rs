@@ -267,7 +267,8 @@ pub struct Service {
     clients: HashMap<String, (VerifyingKey, Client)>,
     ports: BTreeMap<String, Port>,
     peers: HashMap<SocketAddr, Peer>,
-    /// One per agent that has connected (at most one per configured client).
+    /// One per agent that has made a request (at most one per configured client); made full
+    /// at its first request.
     agents: HashMap<String, Agent>,
     greeted: std::collections::HashSet<SocketAddr>,
     /// Nonces used, with when they were signed and the address that used them.
@@ -358,11 +359,6 @@ impl Service {
                         agent: agent.clone(),
                     },
                 );
-                let limits = self.limits;
-                self.agents.entry(agent.clone()).or_insert_with(|| Agent {
-                    budget: Budget::new(&limits, std::time::Instant::now()),
-                    in_flight: Arc::default(),
-                });
                 let m = crate::metrics::global();
                 m.connects_accepted.inc();
                 m.peers.set(self.peers.len() as i64);

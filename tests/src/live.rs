@@ -13,6 +13,29 @@ pub fn public_hex(key: &ed25519_dalek::SigningKey) -> String {
     gateway::config::hex(key.verifying_key().as_bytes())
 }
 
+/// A `[[cultnet.client]]` table for the config: `agent` with `key`'s public half, allowed
+/// `personas` (`"*"` for all) and `verbs`.
+pub fn client_block(
+    agent: &str,
+    key: &ed25519_dalek::SigningKey,
+    personas: &[&str],
+    verbs: &[&str],
+) -> String {
+    let list = |items: &[&str]| {
+        items
+            .iter()
+            .map(|i| format!("\"{i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "\n[[cultnet.client]]\nagent_id = \"{agent}\"\npublic_key = \"{}\"\npersonas = [{}]\nverbs = [{}]\n",
+        public_hex(key),
+        list(personas),
+        list(verbs)
+    )
+}
+
 /// Bodies vera sent in `room`, as `reader` sees them.
 pub async fn from_vera(reader: &matrix_sdk::Client, room: &matrix_sdk::Room) -> Vec<String> {
     said_by(reader, room, "@vera:localhost").await

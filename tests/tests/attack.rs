@@ -16,7 +16,7 @@ use ed25519_dalek::SigningKey;
 use gateway::client::{Client, ClientError, QuicClient};
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use tests::legacy::LegacyClient;
-use tests::live::{public_hex, said_by};
+use tests::live::said_by;
 use tests::matrix::{add_cultnet_lines, public_room, write_config, GatewayProcess, Scene};
 use tests::synapse::Limits;
 use wire::docs::{
@@ -41,10 +41,7 @@ fn rss_kib(pid: u32) -> u64 {
 }
 
 fn client_block(agent: &str, key: &SigningKey) -> String {
-    format!(
-        "\n[[cultnet.client]]\nagent_id = \"{agent}\"\npublic_key = \"{}\"\npersonas = [\"vera\"]\nverbs = [\"pending\", \"ack\", \"send\", \"status\"]\n",
-        public_hex(key)
-    )
+    tests::live::client_block(agent, key, &["vera"], &["pending", "ack", "send", "status"])
 }
 
 /// Another client's key: limits are per agent, so a flood must come from another agent to

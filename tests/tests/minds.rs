@@ -15,7 +15,7 @@ use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use serde_json::json;
 use session::render::NOTES_LABEL;
-use tests::live::{from_vera, live_section, public_hex, wait_for_reply};
+use tests::live::{from_vera, live_section, wait_for_reply};
 use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
 use tests::mock_api::{Fault, LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
@@ -59,12 +59,9 @@ async fn control(
     .unwrap()
 }
 
-/// A client line for the config.
-fn client_block(agent: &str, key: &SigningKey, verbs: &str) -> String {
-    format!(
-        "\n[[cultnet.client]]\nagent_id = \"{agent}\"\npublic_key = \"{}\"\npersonas = [\"vera\"]\nverbs = [{verbs}]\n",
-        public_hex(key)
-    )
+/// A client line for the config: one of vera's.
+fn client_block(agent: &str, key: &SigningKey, verbs: &[&str]) -> String {
+    tests::live::client_block(agent, key, &["vera"], verbs)
 }
 
 /// Her status file.
@@ -136,7 +133,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
         &[],
         &format!(
             "{session}{}",
-            client_block("mind", &mind, "\"note\", \"session\"")
+            client_block("mind", &mind, &["note", "session"])
         ),
     );
     let gw = GatewayProcess::start(&config);
@@ -375,8 +372,8 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
         &[],
         &format!(
             "{session}{}{}",
-            client_block("organ", &organ, "\"extensions\", \"note\""),
-            client_block("ops", &ops, "\"session\"")
+            client_block("organ", &organ, &["extensions", "note"]),
+            client_block("ops", &ops, &["session"])
         ),
     );
     let gw = GatewayProcess::start(&config);
@@ -640,7 +637,7 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
         format!(
             "state_dir = \"{}\"\n[cultnet]\nbind = \"127.0.0.1:0\"\n{}\n{}\n{}",
             dir.join("state").display(),
-            client_block("ops", &ops, "\"status\"")
+            client_block("ops", &ops, &["status"])
                 .replace("personas = [\"vera\"]", "personas = [\"*\"]"),
             persona(
                 "vera",

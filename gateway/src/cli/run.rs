@@ -233,47 +233,18 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
 }
 
 /// Prunes the inbox's event-id index and send receipts, then compacts its files if they are
-/// mostly dead records: at start, every hour, and at once when SIGHUP changes `[retention]`
-/// (off the runtime's workers: it scans sled).
+/// mostly dead records ([`upkeep`]): at start, every hour, and at once when SIGHUP changes
+/// `[retention]` (off the runtime's workers: it scans sled).
 async fn prune_hourly(
     inbox: Inbox,
     mut retention: watch::Receiver<gateway::config::RetentionConfig>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        let now = u64::try_from(ear::unix_ms()).unwrap_or(0);
         let r = *retention.borrow_and_update();
         let i = inbox.clone();
-        let done = tokio::task::spawn_blocking(move || {
-            (
-                i.prune(now, r.retention()),
-                i.compact_if_wasteful(r.compact_when()),
-            )
-        });
-        match done.await {
-            Ok((pruned, compacted)) => {
-                match pruned {
-                    Ok(p) => tracing::info!(
-                        id_records = p.id_records,
-                        receipts = p.receipts,
-                        stamped = p.stamped,
-                        "inbox pruned"
-                    ),
-                    Err(e) => tracing::error!("pruning the inbox: {e}"),
-                }
-                match compacted {
-                    Ok(Some(c)) => tracing::info!(
-                        before = c.before,
-                        after = c.after,
-                        records = c.records,
-                        held_ms = c.held.as_millis() as u64,
-                        "inbox compacted"
-                    ),
-                    Ok(None) => {}
-                    Err(e) => tracing::error!("compacting the inbox: {e}"),
-                }
-            }
-            Err(e) => tracing::error!("pruning the inbox: {e}"),
+        if let Err(e) = tokio::task::spawn_blocking(move || upkeep(&i, r)).await {
+            tracing::error!("pruning the inbox: {e}");
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(3600)) => {}
@@ -282,6 +253,31 @@ async fn prune_hourly(
             }
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// One prune and compaction check, each logged.
+fn upkeep(inbox: &Inbox, r: gateway::config::RetentionConfig) {
+    let now = u64::try_from(ear::unix_ms()).unwrap_or(0);
+    match inbox.prune(now, r.retention()) {
+        Ok(p) => tracing::info!(
+            id_records = p.id_records,
+            receipts = p.receipts,
+            stamped = p.stamped,
+            "inbox pruned"
+        ),
+        Err(e) => tracing::error!("pruning the inbox: {e}"),
+    }
+    match inbox.compact_if_wasteful(r.compact_when()) {
+        Ok(Some(c)) => tracing::info!(
+            before = c.before,
+            after = c.after,
+            records = c.records,
+            held_ms = c.held.as_millis() as u64,
+            "inbox compacted"
+        ),
+        Ok(None) => {}
+        Err(e) => tracing::error!("compacting the inbox: {e}"),
     }
 }
 

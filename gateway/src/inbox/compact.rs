@@ -71,6 +71,23 @@ const WRITE_WAIT: Duration = Duration::from_secs(30);
 /// How long a compaction waits for sled to let go of a database it closed.
 const RELEASE_WAIT: Duration = Duration::from_secs(10);
 
+/// The paths a compaction uses beside the inbox directory (see the module's doc).
+struct Siblings {
+    copy: PathBuf,
+    marker: PathBuf,
+    old: PathBuf,
+}
+
+impl Siblings {
+    fn of(path: &Path) -> Self {
+        Self {
+            copy: sibling(path, ".compacting"),
+            marker: sibling(path, ".compacted"),
+            old: sibling(path, ".old"),
+        }
+    }
+}
+
 fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(suffix);
@@ -119,11 +136,7 @@ pub(super) fn lock(path: &Path) -> Result<std::fs::File, InboxError> {
 
 /// Finishes or undoes a compaction a crash interrupted (see the module's doc).
 pub(super) fn recover(path: &Path) -> Result<(), InboxError> {
-    let (copy, marker, old) = (
-        sibling(path, ".compacting"),
-        sibling(path, ".compacted"),
-        sibling(path, ".old"),
-    );
+    let Siblings { copy, marker, old } = Siblings::of(path);
     if marker.exists() {
         if !path.exists() {
             let from = if copy.exists() { &copy } else { &old };
@@ -230,8 +243,9 @@ impl Inbox {
     }
 
     /// Compacts when the files are at least `when.min_bytes` and `when.ratio` times the live
-    /// records, and those are at most `when.max_live_bytes`. The live records are counted (a scan) only once the files have doubled since
-    /// the last count or compaction, so a periodic call is cheap. `None`: nothing to do.
+    /// records, and those are at most `when.max_live_bytes`. The live records are counted (a
+    /// scan) only once the files have doubled since the last count or compaction, so a
+    /// periodic call is cheap. `None`: nothing to do.
     pub fn compact_if_wasteful(&self, when: CompactWhen) -> Result<Option<Compacted>, InboxError> {
         let disk = self.disk_bytes();
         if disk < when.min_bytes || disk < self.baseline.load(Ordering::Relaxed).saturating_mul(2) {
@@ -258,11 +272,7 @@ impl Inbox {
     /// [`InboxError::Closed`] until restarted, and the next open recovers the files.
     pub fn compact(&self) -> Result<Compacted, InboxError> {
         let path = self.path.as_path();
-        let (copy, marker, old) = (
-            sibling(path, ".compacting"),
-            sibling(path, ".compacted"),
-            sibling(path, ".old"),
-        );
+        let Siblings { copy, marker, old } = Siblings::of(path);
         let parent = path.parent().unwrap_or(Path::new("."));
         // Readers take the lock recursively and so may pass a waiting compaction: it gives up
         // (to try again at the next check) rather than wait without end.
@@ -327,7 +337,8 @@ impl Inbox {
                 *guard = Some(Stores::open(path)?);
             } else {
                 tracing::error!(
-                    "an inbox compaction failed and could not put the inbox back ({e}); it is                      closed until a restart, whose open restores it"
+                    "an inbox compaction failed and could not put the inbox back ({e}); it is \
+                     closed until a restart, whose open restores it"
                 );
             }
             return Err(e);
@@ -345,9 +356,12 @@ impl Inbox {
         }
         drop(guard);
         let held = started.elapsed();
-        // The swap is done: the marker goes first, so a crash now leaves only `old` to remove
-        // by hand, never a marker that could make a later recovery remove something live.
-        std::fs::remove_file(&marker).map_err(io("removing", &marker))?;
+        // The swap is done; what is left to remove, a crash or a failure here leaves for the
+        // next open's recovery (marker and `old` beside the new `path`: `old` goes) or the next
+        // compaction (a stale marker). Neither makes this compaction fail.
+        if let Err(e) = std::fs::remove_file(&marker).map_err(io("removing", &marker)) {
+            tracing::warn!("the inbox was compacted, but its marker stays: {e}");
+        }
         if let Err(e) = remove_dir(&old) {
             tracing::warn!("the inbox was compacted, but its old files stay: {e}");
         }
