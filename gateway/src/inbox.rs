@@ -158,6 +158,20 @@ pub struct Inbox {
     dedupe_window: usize,
 }
 
+/// Runs `f`, which may block (a flush, or a wait while a compaction holds the store), without
+/// stalling the async tasks around it: on a worker of a multi-thread runtime (the gateway's ear,
+/// turn loop and mouth run there) the worker first hands its other tasks to another thread
+/// ([`tokio::task::block_in_place`]); on a current-thread runtime (the CultNet service's own
+/// thread, where waiting for the flush is the point of its group commit), on a blocking-pool
+/// thread or outside any runtime it simply runs.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 /// One open sled database and its trees.
 #[derive(Debug)]
 struct Stores {
@@ -167,6 +181,12 @@ struct Stores {
 }
 
 impl Stores {
+    /// Writes what is in memory to disk (the one part of an inbox operation that waits for the
+    /// disk: with sled's own flusher off, reads and writes stay in memory until this).
+    fn flush(&self) -> Result<(), sled::Error> {
+        blocking(|| self.db.flush()).map(drop)
+    }
+
     fn open(path: &Path) -> Result<Self, sled::Error> {
         // Every write is flushed by us before it counts; sled's periodic background flush would
         // only compete with those flushes.
@@ -345,9 +365,13 @@ impl Inbox {
 
     /// The open store, for the length of one operation. Recursive: an operation calling
     /// another must not wait behind a compaction that waits for the first.
+    /// While a compaction holds the store, the wait runs off the runtime (see [`blocking`]).
     fn stores(&self) -> Result<MappedRwLockReadGuard<'_, Stores>, InboxError> {
-        RwLockReadGuard::try_map(self.stores.read_recursive(), Option::as_ref)
-            .map_err(|_| InboxError::Closed)
+        let guard = match self.stores.try_read_recursive() {
+            Some(guard) => guard,
+            None => blocking(|| self.stores.read_recursive()),
+        };
+        RwLockReadGuard::try_map(guard, Option::as_ref).map_err(|_| InboxError::Closed)
     }
 
     /// A smaller dedupe window, for tests of its edge.
@@ -411,7 +435,7 @@ impl Inbox {
         }
         if converted > 0 {
             st.tree.apply_batch(ops)?;
-            st.db.flush()?;
+            st.flush()?;
             tracing::info!(keys = converted, "inbox converted from its first layout");
         }
         Ok(())
@@ -550,7 +574,7 @@ impl Inbox {
             ops.insert(next_key, &next.to_be_bytes());
             ops.insert(key(persona, b"token"), next_token.as_bytes());
             st.tree.apply_batch(ops)?;
-            st.db.flush()?;
+            st.flush()?;
             Ok(assigned)
         })
     }
@@ -749,7 +773,7 @@ impl Inbox {
     /// Makes every write so far durable (one fsync for however many acks came before it).
     pub fn flush(&self) -> Result<(), InboxError> {
         let st = self.stores()?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(())
     }
 
@@ -776,7 +800,7 @@ impl Inbox {
             Some(v) => st.tree.insert(k, v.as_bytes())?,
             None => st.tree.remove(k)?,
         };
-        st.db.flush()?;
+        st.flush()?;
         Ok(())
     }
 
@@ -801,7 +825,7 @@ impl Inbox {
             key(persona, receipt.request_id.as_bytes()),
             encode(&(now_ms(), receipt)),
         )?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(())
     }
 }

@@ -267,7 +267,9 @@ impl Inbox {
     }
 
     /// Copies the live records into a fresh database and swaps it in (see the module's doc).
-    /// Every other operation waits meanwhile. On failure the inbox goes on with the store it
+    /// Every other operation waits meanwhile (one waiting on a runtime worker hands the worker's
+    /// other tasks on first); the compaction itself blocks its thread for the copy, so the
+    /// gateway runs it with `spawn_blocking`. On failure the inbox goes on with the store it
     /// had, except if the copy was swapped in and cannot be opened: then it reports
     /// [`InboxError::Closed`] until restarted, and the next open recovers the files.
     pub fn compact(&self) -> Result<Compacted, InboxError> {

@@ -99,7 +99,7 @@ impl Inbox {
         ops.insert(key(persona, b"note_next"), &(seq + 1).to_be_bytes());
         self.forget_old_note_ids(persona, seq, &mut ops)?;
         st.tree.apply_batch(ops)?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(NotePut {
             duplicate: false,
             pending,

@@ -124,7 +124,7 @@ impl Inbox {
             t.at_ms.to_string().as_bytes(),
         );
         st.tree.apply_batch(ops)?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(counts)
     }
 
@@ -192,7 +192,7 @@ impl Inbox {
         }
         ops.insert(key(persona, b"ext_acked"), &through.to_be_bytes());
         st.tree.apply_batch(ops)?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(highest - through)
     }
 }

@@ -93,7 +93,7 @@ impl Inbox {
             }
         }
         st.receipts.apply_batch(ops)?;
-        st.db.flush()?;
+        st.flush()?;
         Ok(out)
     }
 }

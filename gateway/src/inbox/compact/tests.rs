@@ -258,3 +258,71 @@ fn an_open_recovers_from_a_crash_at_every_step_of_a_compaction() {
     made(&sibling(&p, ".old"), "original");
     assert_eq!(which(&p).as_deref(), Some("original"));
 }
+
+/// The ear, the turn loop and the mouth call the inbox on the gateway's runtime workers. While a
+/// compaction holds the store their call waits, but the worker's other tasks must go on: with one
+/// worker, a ticker keeps ticking through a 300 ms wait (without the hand-off it would not tick
+/// at all until the wait ends).
+#[test]
+fn a_call_waiting_for_a_compaction_does_not_stall_the_runtime() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let path = dir("compact-runtime");
+    let inbox = Inbox::open(&path).unwrap();
+    fill(&inbox, "mira", 3, 0);
+    let before = inbox.counts("mira").unwrap();
+
+    // Hold the store as a compaction does, for 300 ms, on a thread of its own.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let stores = inbox.stores.clone();
+    let holder = std::thread::spawn(move || {
+        let guard = stores.write();
+        held_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(guard);
+    });
+    held_rx.recv().unwrap();
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let (waited, ticked, counts) = rt.block_on(async move {
+        let ticks = Arc::new(AtomicU64::new(0));
+        let t = ticks.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                t.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        // Let the ticker start on the one worker.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let t = ticks.clone();
+        let (waited, ticked, counts) = tokio::spawn(async move {
+            let start = Instant::now();
+            let from = t.load(Ordering::Relaxed);
+            let counts = inbox.counts("mira");
+            (start.elapsed(), t.load(Ordering::Relaxed) - from, counts)
+        })
+        .await
+        .unwrap();
+        ticker.abort();
+        (waited, ticked, counts)
+    });
+    holder.join().unwrap();
+    println!("waited {waited:?} while the ticker ticked {ticked} times");
+    assert!(
+        waited >= Duration::from_millis(200),
+        "the call did not wait: {waited:?}"
+    );
+    assert_eq!(counts.unwrap(), before);
+    assert!(
+        ticked >= 20,
+        "the worker's other task stalled: {ticked} ticks in {waited:?}"
+    );
+    std::fs::remove_dir_all(&path).ok();
+}
