@@ -14,8 +14,10 @@
 
 mod support;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
@@ -29,6 +31,38 @@ use wire::docs::{
 use wire::session::GATEWAY_CONNECTION_ID;
 
 const CLIENTS: [usize; 3] = [1, 10, 50];
+
+/// Counts heap allocations and reallocations: client and service live in this process, so
+/// "allocs / request" is what one round trip allocates on both sides (the floor allocates none).
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every call is passed unchanged to the system allocator; counting has no other effect.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract is System's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 #[derive(Clone, Copy)]
 enum Kind {
@@ -51,15 +85,20 @@ struct Figures {
     per_sec: f64,
     p50: Duration,
     p99: Duration,
+    allocs: f64,
 }
 
-fn figures(mut lat: Vec<Duration>, elapsed: Duration) -> Figures {
+/// Figures of a run that started at `start` with `allocs_before` allocations counted.
+fn figures(mut lat: Vec<Duration>, start: Instant, allocs_before: u64) -> Figures {
+    let elapsed = start.elapsed();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - allocs_before;
     lat.sort();
     let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
     Figures {
         per_sec: lat.len() as f64 / elapsed.as_secs_f64(),
         p50: pct(50),
         p99: pct(99),
+        allocs: allocs as f64 / lat.len() as f64,
     }
 }
 
@@ -96,6 +135,7 @@ async fn floor(n: usize, per: usize) -> Figures {
     });
     let echo: SocketAddr = rx.recv().expect("echo address");
     let start = Instant::now();
+    let allocs = ALLOCS.load(Ordering::Relaxed);
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..n {
         tasks.spawn(async move {
@@ -118,12 +158,12 @@ async fn floor(n: usize, per: usize) -> Figures {
     while let Some(l) = tasks.join_next().await {
         lat.extend(l.expect("client task"));
     }
-    let elapsed = start.elapsed();
+    let f = figures(lat, start, allocs);
     let stop = tokio::net::UdpSocket::bind("127.0.0.1:0")
         .await
         .expect("stop socket");
     let _ = stop.send_to(b"stop", echo).await;
-    figures(lat, elapsed)
+    f
 }
 
 /// `n` clients making `per` requests of `kind` each; acks go on from `acked` (what earlier
@@ -145,6 +185,7 @@ async fn load(
         );
     }
     let start = Instant::now();
+    let allocs = ALLOCS.load(Ordering::Relaxed);
     let mut tasks = tokio::task::JoinSet::new();
     for (i, mut c) in clients.into_iter().enumerate() {
         let persona = format!("p{i}");
@@ -210,7 +251,7 @@ async fn load(
     while let Some(l) = tasks.join_next().await {
         lat.extend(l.expect("client task"));
     }
-    figures(lat, start.elapsed())
+    figures(lat, start, allocs)
 }
 
 fn main() {
@@ -307,28 +348,30 @@ fn main() {
         .build()
         .expect("client runtime");
     println!(
-        "| request | clients | requests/s | p50 | p99 | p50 / floor | p99 / floor |\n|---|---|---|---|---|---|---|"
+        "| request | clients | requests/s | p50 | p99 | p50 / floor | p99 / floor | allocs / request |\n|---|---|---|---|---|---|---|---|"
     );
     client_rt.block_on(async {
         let mut acked = vec![0usize; max_clients];
         for &n in &sizes {
             let f = floor(n, per(n)).await;
             println!(
-                "| bare UDP ping-pong (floor) | {n} | {:.0} | {:.0} µs | {:.0} µs | 1.00 | 1.00 |",
+                "| bare UDP ping-pong (floor) | {n} | {:.0} | {:.0} µs | {:.0} µs | 1.00 | 1.00 | {:.1} |",
                 f.per_sec,
                 us(f.p50),
-                us(f.p99)
+                us(f.p99),
+                f.allocs
             );
             for &kind in &kinds {
                 let g = load(server, &key, n, per(n), kind, &acked).await;
                 println!(
-                    "| {} | {n} | {:.0} | {:.0} µs | {:.0} µs | {:.2} | {:.2} |",
+                    "| {} | {n} | {:.0} | {:.0} µs | {:.0} µs | {:.2} | {:.2} | {:.1} |",
                     kind.name(),
                     g.per_sec,
                     us(g.p50),
                     us(g.p99),
                     us(g.p50) / us(f.p50),
-                    us(g.p99) / us(f.p99)
+                    us(g.p99) / us(f.p99),
+                    g.allocs
                 );
             }
             for a in acked.iter_mut().take(n) {

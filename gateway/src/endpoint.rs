@@ -352,11 +352,10 @@ impl Driver {
         let mut meta = [RecvMeta::default(); RECV_BUFFERS];
         loop {
             let n = {
-                let mut bufs: Vec<IoSliceMut<'_>> = self
-                    .recv_buf
-                    .chunks_mut(RECV_BUFFER_BYTES)
-                    .map(IoSliceMut::new)
-                    .collect();
+                // On the stack: this runs twice per wake-up (the second read finds nothing).
+                let mut chunks = self.recv_buf.chunks_mut(RECV_BUFFER_BYTES);
+                let mut bufs: [IoSliceMut<'_>; RECV_BUFFERS] =
+                    std::array::from_fn(|_| IoSliceMut::new(chunks.next().unwrap_or_default()));
                 let state = &self.state;
                 let socket = &self.socket;
                 match socket.try_io(Interest::READABLE, || {

@@ -776,7 +776,7 @@ impl ConnectPayload {
 
     /// Decodes a Connect payload.
     pub fn decode(bytes: &[u8]) -> Result<Self, AuthError> {
-        msg::read_one(bytes).map_err(|e| AuthError::Malformed(e.to_string()))?;
+        msg::read_one_ref(bytes).map_err(|e| AuthError::Malformed(e.to_string()))?;
         let p: Self =
             rmp_serde::from_slice(bytes).map_err(|e| AuthError::Malformed(e.to_string()))?;
         if p.agent_id.is_empty()

@@ -6,7 +6,7 @@
 //! `schemaVersion` first and omits absent optionals.
 
 use bytes::{Buf, Bytes, BytesMut};
-use rmpv::Value;
+use rmpv::{Value, ValueRef};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::error::MsgError;
@@ -295,11 +295,17 @@ impl Message {
 
     /// Decodes one message (exactly one MessagePack value).
     pub fn decode(bytes: &[u8]) -> Result<Self, MsgError> {
-        let version = match &read_one(bytes)? {
-            Value::Map(entries) => entries
+        fn text<'a>(v: &'a ValueRef<'_>) -> Option<&'a str> {
+            match v {
+                ValueRef::String(s) => s.as_str(),
+                _ => None,
+            }
+        }
+        let version = match &read_one_ref(bytes)? {
+            ValueRef::Map(entries) => entries
                 .iter()
-                .find(|(k, _)| k.as_str() == Some("schemaVersion"))
-                .and_then(|(_, v)| v.as_str())
+                .find(|(k, _)| text(k) == Some("schemaVersion"))
+                .and_then(|(_, v)| text(v))
                 .ok_or(MsgError::MissingSchemaVersion)?
                 .to_owned(),
             _ => return Err(MsgError::NotAMap),
@@ -381,7 +387,7 @@ impl RawDocument {
 
     /// Decodes the payload as `T`.
     pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, MsgError> {
-        read_one(&self.payload)?;
+        read_one_ref(&self.payload)?;
         typed(&self.schema_id, &self.payload)
     }
 }
@@ -408,10 +414,15 @@ fn tagged<T: Serialize>(version: &'static str, body: &T) -> Vec<u8> {
 
 /// Reads exactly one MessagePack value from `bytes` (trailing bytes are an error).
 pub fn read_one(bytes: &[u8]) -> Result<Value, MsgError> {
+    read_one_ref(bytes).map(|v| v.to_owned())
+}
+
+/// [`read_one`] without the copy: strings and binaries borrow from `bytes`. Enough to check a
+/// value or look one field up, which is what most callers do before decoding it typed.
+pub fn read_one_ref(bytes: &[u8]) -> Result<ValueRef<'_>, MsgError> {
     let mut rd = bytes;
     let v = rmpv::decode::read_value_ref(&mut rd)
-        .map_err(|e| MsgError::NotMessagePack(e.to_string()))?
-        .to_owned();
+        .map_err(|e| MsgError::NotMessagePack(e.to_string()))?;
     if !rd.is_empty() {
         return Err(MsgError::NotMessagePack(format!(
             "{} trailing bytes",
