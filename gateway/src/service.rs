@@ -1510,7 +1510,15 @@ pub async fn start(
                 match crate::endpoint::spawn(cfg).await {
                     Ok((endpoint, events, task)) => {
                         let _ = ready_tx.send(Ok(endpoint.clone()));
-                        serve_updating(service, endpoint, events, remote, updates, stop).await;
+                        // A task of its own, not the block_on future: a wake-up from the
+                        // endpoint task then finds it queued, where a woken block_on future
+                        // costs the runtime an extra non-blocking epoll_wait per request.
+                        let serving = tokio::spawn(serve_updating(
+                            service, endpoint, events, remote, updates, stop,
+                        ));
+                        if let Err(e) = serving.await {
+                            tracing::error!("CultNet service loop ended abnormally: {e}");
+                        }
                         // The endpoint sends its goodbyes before the thread's runtime ends.
                         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
                     }
