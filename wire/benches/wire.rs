@@ -1,7 +1,9 @@
-//! Criterion: encode + decode of a 64-byte data packet, and a `cultnet.schema.v0` hello.
+//! Criterion: encode + decode of a 64-byte data packet, a `cultnet.schema.v0` hello, and the
+//! gateway's status answer as its client reads it (the message, then the document's payload).
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use wire::msg::Message;
+use wire::docs::{ids, GatewayStatus, PersonaStatus};
+use wire::msg::{Message, Put, RawDocument};
 use wire::packet::{Flags, Fragment, Packet, PacketType};
 
 fn codec(c: &mut Criterion) {
@@ -30,6 +32,32 @@ fn codec(c: &mut Criterion) {
     let hello = include_bytes!("../../fixtures/cultnet/hello.msgpack");
     c.bench_function("message decode hello", |b| {
         b.iter(|| Message::decode(black_box(hello)).unwrap())
+    });
+    let status = GatewayStatus {
+        runtime_id: "cultnet-gateway-8d6f0c2e-3a41-4f5e-9b0e-2f4c1d7a9e11".into(),
+        version: "0.1.0".into(),
+        started_at: "2026-12-04T10:20:58Z".into(),
+        peers: 3,
+        personas: vec![PersonaStatus {
+            persona: "mira".into(),
+            user_id: "@mira:localhost".into(),
+            sync_state: "syncing".into(),
+            pending_count: 4,
+            highest_seq: 1200,
+            acked_through: 1196,
+            last_error: None,
+        }],
+    };
+    let answer = Message::DocumentPutRaw(Put {
+        message_id: "6b1f7c7e-2d2b-4a57-8f43-64a0a3e0c1d9".into(),
+        document: RawDocument::from_payload(ids::STATUS, "r1", "2026-12-04T10:21:00Z", &status),
+    })
+    .encode();
+    c.bench_function("message decode status answer + payload", |b| {
+        b.iter(|| match Message::decode(black_box(&answer)).unwrap() {
+            Message::DocumentPutRaw(p) => p.document.payload_as::<GatewayStatus>().unwrap(),
+            _ => unreachable!("encoded as a put"),
+        })
     });
 }
 
