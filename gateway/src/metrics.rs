@@ -233,17 +233,12 @@ impl Snapshot {
         ports: &BTreeMap<String, Port>,
         endpoint: &EndpointHandle,
     ) -> Self {
-        // sled reads (and a compaction holding the inbox) stay off the runtime's workers.
-        let counts = {
-            let (inbox, ids) = (inbox.clone(), ids.to_vec());
-            tokio::task::spawn_blocking(move || {
-                ids.iter()
-                    .map(|id| inbox.counts(id).unwrap_or_default())
-                    .collect::<Vec<_>>()
-            })
-            .await
-            .unwrap_or_default()
-        };
+        // In-memory sled reads; a compaction holding the inbox is waited for off this worker
+        // (the inbox's own rule).
+        let counts: Vec<_> = ids
+            .iter()
+            .map(|id| inbox.counts(id).unwrap_or_default())
+            .collect();
         let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
         let starting = Port::new("", 0);
         let personas = ids

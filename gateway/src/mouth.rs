@@ -273,12 +273,9 @@ impl Mouth {
             room_id: Some(room.room_id().to_string()),
             error: None,
         };
-        let inbox = self.inbox.clone();
-        let persona = self.persona.clone();
-        let stored = receipt.clone();
-        tokio::task::spawn_blocking(move || inbox.store_receipt(&persona, &stored))
-            .await
-            .map_err(|e| MouthError::Store(e.to_string()))?
+        // Its flush hands this worker's other tasks on first (the inbox's own rule).
+        self.inbox
+            .store_receipt(&self.persona, &receipt)
             .map_err(store)?;
         tracing::info!(persona = %self.persona, request = %req.request_id, event = %event_id, "sent");
         Ok(receipt)
