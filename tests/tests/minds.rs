@@ -637,8 +637,7 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
         format!(
             "state_dir = \"{}\"\n[cultnet]\nbind = \"127.0.0.1:0\"\n{}\n{}\n{}",
             dir.join("state").display(),
-            client_block("ops", &ops, &["status"])
-                .replace("personas = [\"vera\"]", "personas = [\"*\"]"),
+            tests::live::client_block("ops", &ops, &["*"], &["status"]),
             persona(
                 "vera",
                 &scene.vera_token,
