@@ -36,7 +36,8 @@ fuzz_target!(|data: &[u8]| {
     .encode(&mut connect)
     .unwrap();
     hub.handle(now, a, &connect);
-    hub.accept(now, a).unwrap();
+    let req = hub.waiting(a).cloned().unwrap();
+    hub.accept(now, &req).unwrap();
     let mut rest = data;
     let mut buf = Vec::new();
     while rest.len() >= 3 {
@@ -50,8 +51,8 @@ fuzz_target!(|data: &[u8]| {
         hub.handle(now, from, dgram);
         hub.handle_timeout(now);
         while let Some(ev) = hub.poll_event() {
-            if let HubEvent::ConnectRequest { peer, .. } = ev {
-                let _ = hub.accept(now, peer);
+            if let HubEvent::ConnectRequest(req) = ev {
+                let _ = hub.accept(now, &req);
             }
         }
         loop {

@@ -59,9 +59,7 @@ fn serve(
     tokio::spawn(async move {
         while let Some(ev) = rx.recv().await {
             match ev {
-                EndpointEvent::Hub(HubEvent::ConnectRequest { peer, .. }) => {
-                    h.accept(peer).await.unwrap()
-                }
+                EndpointEvent::Hub(HubEvent::ConnectRequest(req)) => h.accept(req).await.unwrap(),
                 EndpointEvent::Hub(HubEvent::Frame { peer, frame }) => {
                     let (go_on, answer) = on_frame(frame.payload);
                     if let Some(a) = answer {

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 use wire::error::SendError;
 
-use wire::hub::{Hub, HubConfig, HubEvent, HubStats};
+use wire::hub::{ConnectRequest, Hub, HubConfig, HubEvent, HubStats};
 
 /// Largest GSO batch in bytes (the kernel's limit for one UDP send).
 const MAX_GSO_BYTES: usize = 65_000;
@@ -125,8 +125,8 @@ enum Command {
         channel: &'static str,
         payload: Bytes,
     },
-    Accept(SocketAddr),
-    Refuse(SocketAddr, String),
+    Accept(ConnectRequest),
+    Refuse(ConnectRequest, String),
     Connect(SocketAddr, Bytes),
     Disconnect(SocketAddr, String),
     Ping(SocketAddr, Bytes),
@@ -162,14 +162,14 @@ impl EndpointHandle {
         .await
     }
 
-    /// Accepts a pending Connect.
-    pub async fn accept(&self, peer: SocketAddr) -> Result<(), EndpointError> {
-        self.cmd(Command::Accept(peer)).await
+    /// Accepts a Connect the hub reported (see [`Hub::accept`] for when it is not applied).
+    pub async fn accept(&self, req: ConnectRequest) -> Result<(), EndpointError> {
+        self.cmd(Command::Accept(req)).await
     }
 
-    /// Refuses a pending Connect with a reason the client will see.
-    pub async fn refuse(&self, peer: SocketAddr, reason: &str) -> Result<(), EndpointError> {
-        self.cmd(Command::Refuse(peer, reason.to_owned())).await
+    /// Refuses a Connect the hub reported, with a reason the client will see.
+    pub async fn refuse(&self, req: ConnectRequest, reason: &str) -> Result<(), EndpointError> {
+        self.cmd(Command::Refuse(req, reason.to_owned())).await
     }
 
     /// Opens a client session to `peer`.
@@ -324,13 +324,15 @@ impl Driver {
                         .push_back(EndpointEvent::SendFailed { peer, error });
                 }
             }
-            Command::Accept(peer) => {
-                if let Err(e) = self.hub.accept(now, peer) {
-                    debug!(%peer, error = %e, "accept for a connect that is no longer pending");
+            Command::Accept(req) => {
+                if let Err(e) = self.hub.accept(now, &req) {
+                    debug!(peer = %req.peer, error = %e, "accept not applied");
                 }
             }
-            Command::Refuse(peer, reason) => {
-                let _ = self.hub.refuse(peer, &reason);
+            Command::Refuse(req, reason) => {
+                if let Err(e) = self.hub.refuse(&req, &reason) {
+                    debug!(peer = %req.peer, error = %e, "refusal not sent");
+                }
             }
             Command::Connect(peer, payload) => self.hub.connect(now, peer, payload),
             Command::Disconnect(peer, reason) => self.hub.disconnect(peer, &reason),

@@ -280,6 +280,8 @@ impl Snapshot {
                 ("unknown_peer", e.hub.unknown_peer),
                 ("peers_full", e.hub.peers_full),
                 ("queue_full", e.hub.raw_dropped),
+                ("connect_too_large", e.hub.oversized_connects),
+                ("waiting_room_full", e.hub.pending_evicted),
             ];
         }
         s

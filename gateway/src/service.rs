@@ -1305,11 +1305,11 @@ async fn endpoint_event(
         }
     };
     match event {
-        HubEvent::ConnectRequest { peer, payload } => {
+        HubEvent::ConnectRequest(req) => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-            let r = match service.authenticate(peer, &payload, now) {
-                Ok(_) => endpoint.accept(peer).await,
-                Err(why) => endpoint.refuse(peer, &why.to_string()).await,
+            let r = match service.authenticate(req.peer, &req.payload, now) {
+                Ok(_) => endpoint.accept(req).await,
+                Err(why) => endpoint.refuse(req, &why.to_string()).await,
             };
             return r.is_ok();
         }

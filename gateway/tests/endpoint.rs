@@ -36,11 +36,12 @@ async fn frames_flow_both_ways_in_order_even_with_loss() {
         .connect(saddr, Bytes::from_static(b"creds"))
         .await
         .unwrap();
-    let HubEvent::ConnectRequest { peer, payload } = next_hub(&mut srx).await else {
+    let HubEvent::ConnectRequest(req) = next_hub(&mut srx).await else {
         panic!()
     };
-    assert_eq!(&payload[..], b"creds");
-    server.accept(peer).await.unwrap();
+    assert_eq!(&req.payload[..], b"creds");
+    let peer = req.peer;
+    server.accept(req).await.unwrap();
     assert!(matches!(
         next_hub(&mut crx).await,
         HubEvent::Connected { .. }
@@ -94,10 +95,10 @@ async fn refusal_and_send_failures_are_reported() {
         .connect(saddr, Bytes::from_static(b"who"))
         .await
         .unwrap();
-    let HubEvent::ConnectRequest { peer, .. } = next_hub(&mut srx).await else {
+    let HubEvent::ConnectRequest(req) = next_hub(&mut srx).await else {
         panic!()
     };
-    server.refuse(peer, "unknown agent").await.unwrap();
+    server.refuse(req, "unknown agent").await.unwrap();
     assert_eq!(
         next_hub(&mut crx).await,
         HubEvent::Disconnected {

@@ -15,8 +15,14 @@
 //!   Disconnect (`server full`). Apart from those, at most `max_pending` Connects wait for the
 //!   owner's answer, each for at most `pending_timeout`; when that quota is full the OLDEST
 //!   waiting Connect is dropped (silently, counted) to make room. So Connects sprayed from many
-//!   addresses can neither take session slots nor hold the waiting room: a real client's
-//!   Connect always gets in, and a dropped one is resent by its client.
+//!   addresses can neither take session slots nor hold the waiting room.
+//! - The waiting room only dedupes resent Connects and bounds the hub's memory: the verdict
+//!   does not depend on it. Each [`ConnectRequest`] carries what answering it needs, so an
+//!   owner that lags behind a flood (its events queued behind many Connects) still accepts a
+//!   real client whose waiting Connect was evicted meanwhile, as long as it answers within
+//!   `pending_timeout` of the Connect's arrival and no newer Connect from that address came.
+//! - A Connect payload larger than `max_connect_payload` is refused at once (credentials are a
+//!   few hundred bytes): whatever the owner has not yet answered costs at most that each.
 //! - Each session bounds its own memory (see [`SessionConfig`]), so the hub's memory is bounded
 //!   by `max_peers` times that plus `max_pending` Connect payloads, whatever arrives.
 
@@ -40,8 +46,11 @@ pub struct HubConfig {
     /// Connects waiting for the owner's answer, at most (separate from `max_peers`); when full,
     /// the oldest waiting one is dropped for the newcomer.
     pub max_pending: usize,
-    /// A Connect the owner has not answered within this is forgotten.
+    /// A Connect the owner has not answered within this is forgotten, and a verdict given later
+    /// than this after its arrival no longer opens a session (the client has given up).
     pub pending_timeout: std::time::Duration,
+    /// Largest Connect payload (credentials); a larger one is refused without the owner.
+    pub max_connect_payload: usize,
     /// Raw answers (refusals) waiting to go out, at most; more are dropped.
     pub max_raw_queue: usize,
 }
@@ -53,6 +62,7 @@ impl Default for HubConfig {
             max_peers: 256,
             max_pending: 64,
             pending_timeout: std::time::Duration::from_secs(2),
+            max_connect_payload: 4096,
             max_raw_queue: 256,
         }
     }
@@ -62,13 +72,8 @@ impl Default for HubConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HubEvent {
     /// A new peer asks to connect with these credentials: call [`Hub::accept`] or
-    /// [`Hub::refuse`].
-    ConnectRequest {
-        /// Its address.
-        peer: SocketAddr,
-        /// Its Connect payload.
-        payload: Bytes,
-    },
+    /// [`Hub::refuse`] with it.
+    ConnectRequest(ConnectRequest),
     /// A session's handshake completed.
     Connected {
         /// The peer.
@@ -118,26 +123,46 @@ pub struct HubStats {
     pub unanswered_connects: u64,
     /// Waiting Connects dropped to make room for a newer one (the pending quota was full).
     pub pending_evicted: u64,
+    /// Connects refused because their payload exceeded `max_connect_payload`.
+    pub oversized_connects: u64,
     /// Summed session counters.
     pub sessions: SessionStats,
 }
 
-/// Why a hub command failed.
+/// Why a verdict on a Connect was not applied.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum HubError {
-    /// No Connect from that address is waiting for an answer.
-    #[error("no pending connect from {0}")]
-    NoPendingConnect(SocketAddr),
+    /// The Connect arrived longer than `pending_timeout` ago: its client has given up.
+    #[error("the connect from {0} waited too long for an answer")]
+    Expired(SocketAddr),
+    /// A newer Connect from that address replaced this one (it gets its own request).
+    #[error("the connect from {0} was replaced by a newer one")]
+    Superseded(SocketAddr),
+    /// This Connect was accepted already (a second verdict on a resent Connect).
+    #[error("the connect from {0} was accepted already")]
+    AlreadyAccepted(SocketAddr),
 }
 
-#[derive(Debug)]
-struct Pending {
-    /// When the Connect arrived; unanswered after the connect timeout, it is forgotten.
+/// A Connect waiting for the owner's verdict. It holds everything answering it needs, so the
+/// verdict does not depend on the hub still holding its own copy (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectRequest {
+    /// The peer's address.
+    pub peer: SocketAddr,
+    /// Its Connect payload (credentials), at most `max_connect_payload` bytes.
+    pub payload: Bytes,
+    /// When the Connect arrived.
     at: Instant,
     sequence: u32,
     flags: Flags,
-    payload: Bytes,
+}
+
+impl ConnectRequest {
+    /// The same Connect (a resend carries the same sequence and payload).
+    fn same(&self, other: &ConnectRequest) -> bool {
+        self.sequence == other.sequence && self.payload == other.payload
+    }
 }
 
 #[derive(Debug)]
@@ -152,7 +177,7 @@ struct Entry {
 pub struct Hub {
     cfg: HubConfig,
     peers: HashMap<SocketAddr, Entry>,
-    pending: HashMap<SocketAddr, Pending>,
+    pending: HashMap<SocketAddr, ConnectRequest>,
     dirty: VecDeque<SocketAddr>,
     raw: VecDeque<(SocketAddr, Vec<u8>)>,
     events: VecDeque<HubEvent>,
@@ -202,6 +227,11 @@ impl Hub {
         self.pending.len()
     }
 
+    /// The Connect from `peer` waiting for a verdict, if the waiting room still holds it.
+    pub fn waiting(&self, peer: SocketAddr) -> Option<&ConnectRequest> {
+        self.pending.get(&peer)
+    }
+
     /// The session for `peer`, to read its state.
     pub fn session(&self, peer: SocketAddr) -> Option<&Session> {
         self.peers.get(&peer).map(|e| &e.session)
@@ -234,22 +264,36 @@ impl Hub {
         self.after(from);
     }
 
-    /// Accepts the pending Connect from `peer`: the session starts and its Accept goes out.
-    pub fn accept(&mut self, now: Instant, peer: SocketAddr) -> Result<(), HubError> {
-        let p = self
-            .pending
-            .remove(&peer)
-            .ok_or(HubError::NoPendingConnect(peer))?;
+    /// Accepts a Connect: the session starts and its Accept goes out. Applied even if the
+    /// waiting room evicted the hub's copy, unless the Connect is older than `pending_timeout`,
+    /// a newer Connect from that address replaced it, or it was accepted already.
+    pub fn accept(&mut self, now: Instant, req: &ConnectRequest) -> Result<(), HubError> {
+        let peer = req.peer;
+        self.take_pending(req)?;
+        if let Some(e) = self.peers.get(&peer) {
+            let s = &e.session;
+            let same = s.role() == Role::Server
+                && s.connect_sequence() == req.sequence
+                && *s.connect_payload() == req.payload;
+            return Err(if same {
+                HubError::AlreadyAccepted(peer)
+            } else {
+                HubError::Superseded(peer)
+            });
+        }
+        if now.saturating_duration_since(req.at) >= self.cfg.pending_timeout {
+            return Err(HubError::Expired(peer));
+        }
         let connect = Packet {
             ptype: PacketType::Connect,
-            flags: p.flags,
+            flags: req.flags,
             connection_id: self.cfg.session.connection_id,
-            sequence: p.sequence,
+            sequence: req.sequence,
             ack: 0,
             ack_mask: 0,
             fragment: Fragment::default(),
             channel: CONTROL_CHANNEL,
-            payload: &p.payload,
+            payload: &req.payload,
         };
         let seq = self.initial_seq();
         let session = Session::accept(now, self.cfg.session.clone(), &connect, seq);
@@ -257,14 +301,29 @@ impl Hub {
         Ok(())
     }
 
-    /// Refuses the pending Connect from `peer` with a Disconnect carrying `reason`.
-    pub fn refuse(&mut self, peer: SocketAddr, reason: &str) -> Result<(), HubError> {
-        self.pending
-            .remove(&peer)
-            .ok_or(HubError::NoPendingConnect(peer))?;
+    /// Refuses a Connect with a Disconnect carrying `reason` (even if the waiting room evicted
+    /// it: its client learns why), unless that address has since connected again.
+    pub fn refuse(&mut self, req: &ConnectRequest, reason: &str) -> Result<(), HubError> {
+        self.take_pending(req)?;
+        if self.peers.contains_key(&req.peer) {
+            return Err(HubError::Superseded(req.peer));
+        }
         self.stats.refused += 1;
-        self.push_raw(peer, PacketType::Disconnect, reason.as_bytes());
+        self.push_raw(req.peer, PacketType::Disconnect, reason.as_bytes());
         Ok(())
+    }
+
+    /// Removes the waiting copy of `req`, if there is one; a different Connect waiting from
+    /// that address means `req` is stale.
+    fn take_pending(&mut self, req: &ConnectRequest) -> Result<(), HubError> {
+        match self.pending.get(&req.peer) {
+            Some(p) if p.same(req) => {
+                self.pending.remove(&req.peer);
+                Ok(())
+            }
+            Some(_) => Err(HubError::Superseded(req.peer)),
+            None => Ok(()),
+        }
     }
 
     /// Opens a client session to `peer` with `payload` as credentials (replacing any session
@@ -398,6 +457,11 @@ impl Hub {
             }
             self.pending.remove(&from);
         }
+        if p.payload.len() > self.cfg.max_connect_payload {
+            self.stats.oversized_connects += 1;
+            self.push_raw(from, PacketType::Disconnect, b"connect payload too large");
+            return;
+        }
         if self.peers.len() >= self.cfg.max_peers {
             self.stats.peers_full += 1;
             self.push_raw(from, PacketType::Disconnect, b"server full");
@@ -416,20 +480,15 @@ impl Hub {
                 self.stats.pending_evicted += 1;
             }
         }
-        let payload = Bytes::copy_from_slice(p.payload);
-        self.pending.insert(
-            from,
-            Pending {
-                at: now,
-                sequence: p.sequence,
-                flags: p.flags,
-                payload: payload.clone(),
-            },
-        );
-        self.events.push_back(HubEvent::ConnectRequest {
+        let req = ConnectRequest {
             peer: from,
-            payload,
-        });
+            payload: Bytes::copy_from_slice(p.payload),
+            at: now,
+            sequence: p.sequence,
+            flags: p.flags,
+        };
+        self.pending.insert(from, req.clone());
+        self.events.push_back(HubEvent::ConnectRequest(req));
     }
 
     fn insert(&mut self, peer: SocketAddr, session: Session) {

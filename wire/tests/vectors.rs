@@ -203,11 +203,11 @@ fn older_peer_replayed_from_vectors() {
     let now = Instant::now();
     let peer = "127.0.0.1:4000".parse().unwrap();
     hub.handle(now, peer, &fixture("rudp-connect.bin"));
-    let Some(HubEvent::ConnectRequest { payload, .. }) = hub.poll_event() else {
+    let Some(HubEvent::ConnectRequest(req)) = hub.poll_event() else {
         panic!()
     };
-    assert_eq!(&payload[..], b"join");
-    hub.accept(now, peer).unwrap();
+    assert_eq!(&req.payload[..], b"join");
+    hub.accept(now, &req).unwrap();
     let mut buf = Vec::new();
     assert_eq!(hub.poll_transmit(now, &mut buf), Some(peer));
     let accept = Packet::decode(&buf).unwrap();

@@ -7,7 +7,7 @@ use bytes::Bytes;
 
 use super::sim::Pair;
 use crate::error::{CloseReason, SendError};
-use crate::hub::{Hub, HubConfig, HubEvent};
+use crate::hub::{Hub, HubConfig, HubError, HubEvent};
 use crate::packet::{Flags, Fragment, Packet, PacketType};
 use crate::session::{PeerRules, SessionConfig};
 
@@ -44,6 +44,16 @@ fn drain(hub: &mut Hub, now: std::time::Instant) -> Vec<(SocketAddr, Vec<u8>)> {
     }
 }
 
+/// Accepts the Connect waiting from `peer`, as an owner answering at once would.
+fn accept_waiting(
+    hub: &mut Hub,
+    now: std::time::Instant,
+    peer: SocketAddr,
+) -> Result<(), HubError> {
+    let req = hub.waiting(peer).cloned().expect("no connect waiting");
+    hub.accept(now, &req)
+}
+
 fn events(hub: &mut Hub) -> Vec<HubEvent> {
     std::iter::from_fn(|| hub.poll_event()).collect()
 }
@@ -55,7 +65,7 @@ fn repeated_connect_gets_identical_accept_bytes_then_an_ack() {
     let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let c = connect_bytes(hub.config().session.connection_id, 77, b"creds");
     hub.handle(now, peer, &c);
-    hub.accept(now, peer).unwrap();
+    accept_waiting(&mut hub, now, peer).unwrap();
     let first = drain(&mut hub, now);
     assert_eq!(first.len(), 1);
     hub.handle(now, peer, &c);
@@ -97,7 +107,7 @@ fn connect_with_new_payload_replaces_the_session() {
     let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let conn = hub.config().session.connection_id;
     hub.handle(now, peer, &connect_bytes(conn, 5, b"old"));
-    hub.accept(now, peer).unwrap();
+    accept_waiting(&mut hub, now, peer).unwrap();
     drain(&mut hub, now);
     events(&mut hub);
     hub.handle(now, peer, &connect_bytes(conn, 5, b"new"));
@@ -109,12 +119,10 @@ fn connect_with_new_payload_replaces_the_session() {
                 peer,
                 reason: CloseReason::Replaced
             },
-            HubEvent::ConnectRequest {
-                peer,
-                payload: Bytes::from_static(b"new")
-            },
+            HubEvent::ConnectRequest(hub.waiting(peer).cloned().expect("the new connect waits")),
         ]
     );
+    assert_eq!(&hub.waiting(peer).unwrap().payload[..], b"new");
     assert_eq!(hub.stats().replaced, 1);
 }
 
@@ -143,12 +151,12 @@ fn refusal_reaches_the_client_with_its_reason() {
     pair.step();
     pair.flush();
     let req = pair.b.events.iter().find_map(|e| match e {
-        HubEvent::ConnectRequest { peer, payload } => Some((*peer, payload.clone())),
+        HubEvent::ConnectRequest(req) => Some(req.clone()),
         _ => None,
     });
-    let (peer, payload) = req.expect("no connect request");
-    assert_eq!(&payload[..], b"bad creds");
-    pair.b.hub.refuse(peer, "unknown agent").unwrap();
+    let req = req.expect("no connect request");
+    assert_eq!(&req.payload[..], b"bad creds");
+    pair.b.hub.refuse(&req, "unknown agent").unwrap();
     pair.drive_until(100, |p| {
         p.a.events
             .iter()
@@ -172,7 +180,9 @@ fn peer_cap_turns_away_extra_connects() {
     for port in 1..=3u16 {
         let peer = SocketAddr::from(([127, 0, 0, 1], port));
         hub.handle(now, peer, &connect_bytes(conn, 1, b"x"));
-        let _ = hub.accept(now, peer);
+        if let Some(req) = hub.waiting(peer).cloned() {
+            hub.accept(now, &req).unwrap();
+        }
     }
     assert_eq!(hub.peer_count(), 2);
     assert_eq!(hub.stats().peers_full, 1);
@@ -414,7 +424,7 @@ fn server_with_client(c: HubConfig) -> (Hub, SocketAddr, u32, std::time::Instant
     let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let conn = hub.config().session.connection_id;
     hub.handle(now, peer, &connect_bytes(conn, 1000, b"x"));
-    hub.accept(now, peer).unwrap();
+    accept_waiting(&mut hub, now, peer).unwrap();
     drain(&mut hub, now);
     events(&mut hub);
     (hub, peer, conn, now)
@@ -643,19 +653,19 @@ fn unanswered_connects_expire_and_free_their_slot() {
     let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
     hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
     assert_eq!(hub.pending_count(), 1);
+    let req = hub.waiting(first).cloned().unwrap();
     let later = hub.poll_timeout().expect("pending connect has no deadline");
     assert_eq!(later, now + Duration::from_secs(2));
     hub.handle_timeout(later);
     assert_eq!(hub.stats().unanswered_connects, 1);
     assert_eq!(hub.pending_count(), 0);
-    assert_eq!(
-        hub.accept(later, first),
-        Err(crate::hub::HubError::NoPendingConnect(first))
-    );
+    // A verdict that comes too late opens nothing: the client has given up by now.
+    assert_eq!(hub.accept(later, &req), Err(HubError::Expired(first)));
+    assert_eq!(hub.peer_count(), 0);
 }
 
 #[test]
-fn a_full_waiting_room_drops_its_oldest_connect_not_the_newcomer() {
+fn a_full_waiting_room_drops_its_oldest_copy_but_a_verdict_on_it_still_counts() {
     let mut c = cfg();
     c.max_pending = 1;
     let mut hub = Hub::new(c, 3);
@@ -677,12 +687,133 @@ fn a_full_waiting_room_drops_its_oldest_connect_not_the_newcomer() {
         ),
         (1, 0, 1)
     );
+    assert!(hub.waiting(first).is_none(), "the oldest copy makes room");
+    let reqs: Vec<_> = events(&mut hub)
+        .into_iter()
+        .filter_map(|e| match e {
+            HubEvent::ConnectRequest(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reqs.len(), 2, "both were reported to the owner");
+    hub.accept(now, &reqs[0])
+        .expect("the evicted one's verdict holds");
+    hub.accept(now, &reqs[1]).expect("the newcomer waits");
+    assert_eq!(hub.peer_count(), 2);
+    assert_eq!(hub.pending_count(), 0);
+    // A second verdict on the same Connect changes nothing.
     assert_eq!(
-        hub.accept(now, first),
-        Err(crate::hub::HubError::NoPendingConnect(first))
+        hub.accept(now, &reqs[0]),
+        Err(HubError::AlreadyAccepted(first))
     );
-    hub.accept(now, second).expect("the newcomer waits");
+    assert_eq!(
+        hub.refuse(&reqs[0], "late"),
+        Err(HubError::Superseded(first))
+    );
+    assert_eq!(hub.stats().refused, 0);
+}
+
+#[test]
+fn a_verdict_on_a_connect_replaced_by_a_newer_one_is_not_applied() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    hub.handle(now, peer, &connect_bytes(conn, 1, b"old"));
+    let old = hub.waiting(peer).cloned().unwrap();
+    hub.handle(now, peer, &connect_bytes(conn, 2, b"new"));
+    assert_eq!(hub.accept(now, &old), Err(HubError::Superseded(peer)));
+    assert_eq!(hub.refuse(&old, "no"), Err(HubError::Superseded(peer)));
+    assert_eq!(hub.peer_count(), 0);
+    accept_waiting(&mut hub, now, peer).expect("the newer one is answered");
+    assert_eq!(&hub.session(peer).unwrap().connect_payload()[..], b"new");
+}
+
+#[test]
+fn a_refusal_of_an_evicted_connect_still_tells_its_client() {
+    let mut c = cfg();
+    c.max_pending = 1;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
+    let req = hub.waiting(first).cloned().unwrap();
+    hub.handle(
+        now,
+        "127.0.0.1:2".parse().unwrap(),
+        &connect_bytes(conn, 1, b"y"),
+    );
+    assert!(hub.waiting(first).is_none());
+    hub.refuse(&req, "unknown agent").unwrap();
+    let out = drain(&mut hub, now);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, first);
+    let p = Packet::decode(&out[0].1).unwrap();
+    assert_eq!(
+        (p.ptype, p.payload),
+        (PacketType::Disconnect, &b"unknown agent"[..])
+    );
+}
+
+#[test]
+fn an_oversized_connect_is_refused_without_the_owner() {
+    let mut hub = Hub::new(cfg(), 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let max = hub.config().max_connect_payload;
+    hub.handle(now, peer, &connect_bytes(conn, 1, &vec![7; max + 1]));
+    assert!(events(&mut hub).is_empty());
+    assert_eq!(hub.pending_count(), 0);
+    assert_eq!(hub.stats().oversized_connects, 1);
+    let out = drain(&mut hub, now);
+    let p = Packet::decode(&out[0].1).unwrap();
+    assert_eq!(
+        (p.ptype, p.payload),
+        (PacketType::Disconnect, &b"connect payload too large"[..])
+    );
+    // At the limit it is the owner's to judge.
+    hub.handle(now, peer, &connect_bytes(conn, 2, &vec![7; max]));
+    assert_eq!(events(&mut hub).len(), 1);
+}
+
+/// The owner lags far behind a flood of Connects (its events queue behind them, as the gateway's
+/// do under load): the waiting room turns over many times before the owner reaches the real
+/// client's Connect, yet its verdict still lets the client in.
+#[test]
+fn an_owner_lagging_behind_a_connect_flood_still_lets_a_client_in() {
+    let mut c = cfg();
+    c.max_pending = 16;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let real: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+    for i in 0..500u32 {
+        let from = SocketAddr::from(([127, 0, (i / 250) as u8 + 1, (i % 250) as u8 + 1], 9));
+        let at = now + Duration::from_micros(u64::from(i));
+        hub.handle(at, from, &connect_bytes(conn, i, b"junk"));
+        if i == 10 {
+            hub.handle(at, real, &connect_bytes(conn, 7, b"real"));
+        }
+    }
+    assert!(
+        hub.waiting(real).is_none(),
+        "evicted long before the owner gets to it"
+    );
+    for e in events(&mut hub) {
+        if let HubEvent::ConnectRequest(req) = e {
+            if &req.payload[..] == b"real" {
+                hub.accept(now, &req).expect("the verdict still holds");
+            } else {
+                let _ = hub.refuse(&req, "bad credentials");
+            }
+        }
+    }
     assert_eq!(hub.peer_count(), 1);
+    assert!(hub.session(real).is_some());
+    assert_eq!(hub.stats().refused, 500);
+    assert!(drain(&mut hub, now).iter().any(|(to, _)| *to == real));
 }
 
 /// Connects sprayed from 500 loopback addresses never take a session slot nor keep a real
@@ -709,12 +840,12 @@ fn connect_spray_from_many_addresses_does_not_lock_out_a_client() {
         }
         // The owner answers what it is asked, in order: junk is refused, the client accepted.
         for e in events(&mut hub) {
-            if let HubEvent::ConnectRequest { peer, payload } = e {
-                if &payload[..] == b"real" {
-                    hub.accept(now, peer)
+            if let HubEvent::ConnectRequest(req) = e {
+                if &req.payload[..] == b"real" {
+                    hub.accept(now, &req)
                         .expect("the client's connect was still waiting");
                 } else {
-                    let _ = hub.refuse(peer, "bad credentials");
+                    let _ = hub.refuse(&req, "bad credentials");
                 }
             }
         }

@@ -159,8 +159,8 @@ impl Pair {
         for side in [&mut self.a, &mut self.b] {
             while let Some(ev) = side.hub.poll_event() {
                 if self.auto_accept {
-                    if let HubEvent::ConnectRequest { peer, .. } = &ev {
-                        accepted |= side.hub.accept(self.now, *peer).is_ok();
+                    if let HubEvent::ConnectRequest(req) = &ev {
+                        accepted |= side.hub.accept(self.now, req).is_ok();
                     }
                 }
                 side.events.push(ev);
