@@ -72,7 +72,7 @@ fn main() {
         us(pct(50)),
         us(pct(99))
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     let deliveries = support::env_count("DISK_DELIVERIES", 1_000_000);
     disk(deliveries);
     disk_checked(deliveries);
@@ -96,11 +96,11 @@ fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
         .collect()
 }
 
-/// A fresh inbox in the temp directory, named for the measurement.
-fn fresh(name: &str) -> (std::path::PathBuf, Inbox) {
-    let dir = std::env::temp_dir().join(format!("cultnet-inbox-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let inbox = Inbox::open(&dir).expect("open");
+/// A fresh inbox in a scratch directory (removed when the first is dropped), named for the
+/// measurement.
+fn fresh(name: &str) -> (support::Scratch, Inbox) {
+    let dir = support::scratch(&format!("inbox-{name}"));
+    let inbox = Inbox::open(&dir.path).expect("open");
     (dir, inbox)
 }
 
@@ -146,7 +146,7 @@ fn disk(deliveries: u64) {
     let start = Instant::now();
     let responses = deliver(&inbox, deliveries, |_| {});
     let took = start.elapsed();
-    let before = bytes_under(&dir);
+    let before = bytes_under(&dir.path);
     let now = u64::try_from(
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -157,8 +157,8 @@ fn disk(deliveries: u64) {
         .prune(now + 31 * 86_400_000, gateway::inbox::Retention::default())
         .expect("prune");
     drop(inbox);
-    let reopened = Inbox::open(&dir).expect("reopen");
-    let after = bytes_under(&dir);
+    let reopened = Inbox::open(&dir.path).expect("reopen");
+    let after = bytes_under(&dir.path);
     let compacted = reopened.compact().expect("compact");
     drop(reopened);
     let n = (responses * 100) as f64;
@@ -177,7 +177,7 @@ fn disk(deliveries: u64) {
         compacted.live,
         compacted.held.as_secs_f64() * 1000.0,
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 /// The disk as a running gateway keeps it: `compact_if_wasteful` (defaults) every 10,000
@@ -209,7 +209,7 @@ fn disk_checked(deliveries: u64) {
         held.iter().copied().fold(0.0, f64::max),
     );
     drop(inbox);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }
 
 /// How long a compaction holds the inbox when it copies a backlog near the default cap
@@ -231,5 +231,5 @@ fn held_with_a_backlog() {
         c.held.as_secs_f64() * 1000.0
     );
     drop(inbox);
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }

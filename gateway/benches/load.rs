@@ -266,9 +266,8 @@ fn main() {
             (10_000 / n).max(400)
         }
     };
-    let dir = std::env::temp_dir().join(format!("cultnet-load-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let inbox = Inbox::open(&dir).expect("inbox");
+    let dir = support::scratch("load");
+    let inbox = Inbox::open(&dir.path).expect("inbox");
     let list = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let sizes: Vec<usize> = match list("CLIENTS") {
         Some(v) => v
@@ -379,5 +378,5 @@ fn main() {
             }
         }
     });
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }

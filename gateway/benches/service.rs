@@ -45,9 +45,8 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let dir = std::env::temp_dir().join(format!("cultnet-service-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let inbox = Inbox::open(&dir).expect("inbox");
+    let dir = support::scratch("service");
+    let inbox = Inbox::open(&dir.path).expect("inbox");
     for r in 0..(n + 10).div_ceil(100) {
         let batch = support::response(r);
         inbox
@@ -78,7 +77,7 @@ fn main() {
                 .expect("endpoint");
         let addr = endpoint.local_addr();
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-        let identity = quic::identity(None, None, &dir.join("state")).expect("certificate");
+        let identity = quic::identity(None, None, &dir.path.join("state")).expect("certificate");
         let cert = identity.certs[0].clone();
         let server = quic::server("127.0.0.1:0".parse().expect("addr"), identity).expect("quic");
         let quic_addr = server.local_addr().expect("quic address");
@@ -193,5 +192,5 @@ fn main() {
         report("QUIC: status", lat, start.elapsed());
         q.close().await;
     });
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
 }

@@ -1040,7 +1040,7 @@ operators = ["@op:localhost"]
     #[test]
     fn tokens_are_private_and_never_printed() {
         use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("cultnet-config-{}", std::process::id()));
+        let dir = crate::scratch::Dir::new("config");
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("mira.token");
         std::fs::write(&file, "syt_secret_token\n").unwrap();

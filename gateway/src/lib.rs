@@ -28,3 +28,43 @@ pub mod quic;
 pub mod report;
 pub mod service;
 pub mod turns;
+
+/// Scratch directories for the library's tests: everything a test writes (an inbox and the
+/// lock file beside it) lives in one temporary directory, removed when the test ends.
+#[cfg(test)]
+pub(crate) mod scratch {
+    use std::path::{Path, PathBuf};
+
+    /// A temporary directory, and the path inside it a test works at.
+    #[derive(Debug)]
+    pub(crate) struct Dir {
+        _root: tempfile::TempDir,
+        path: PathBuf,
+    }
+
+    impl Dir {
+        /// `cultnet-NAME-XXXX/NAME` under the system's temporary directory; the inner path
+        /// does not exist yet.
+        pub(crate) fn new(name: &str) -> Self {
+            let root = tempfile::Builder::new()
+                .prefix(&format!("cultnet-{name}-"))
+                .tempdir()
+                .expect("a temporary directory");
+            let path = root.path().join(name);
+            Self { _root: root, path }
+        }
+    }
+
+    impl std::ops::Deref for Dir {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.path
+        }
+    }
+
+    impl AsRef<Path> for Dir {
+        fn as_ref(&self) -> &Path {
+            &self.path
+        }
+    }
+}

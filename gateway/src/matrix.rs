@@ -414,8 +414,7 @@ mod tests {
 
     #[test]
     fn a_lost_store_is_refused_with_recovery_steps() {
-        let dir = std::env::temp_dir().join(format!("cultnet-lost-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = crate::scratch::Dir::new("lost");
         let paths = Paths::new(&dir, "vera");
         std::fs::create_dir_all(paths.record.parent().unwrap()).unwrap();
         std::fs::write(

@@ -16,11 +16,12 @@ use wire::docs::{ids, Delivery, PendingPage, PendingRequest};
 use wire::msg::Message;
 use wire::session::GATEWAY_CONNECTION_ID;
 
-fn state_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-quic-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A test's state directory, removed when dropped.
+fn state_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("cultnet-quic-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// Starts the service with a QUIC side; returns its QUIC address and certificate.
@@ -93,9 +94,10 @@ fn pending_request() -> PendingRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_client_with_a_pinned_key_is_served_over_quic() {
-    let dir = state_dir("served");
+    let tmp = state_dir("served");
+    let dir = tmp.path();
     let key = SigningKey::from_bytes(&[21; 32]);
-    let (addr, cert) = gateway(&dir, &key).await;
+    let (addr, cert) = gateway(dir, &key).await;
     let mut far = far(addr, &cert, &key).await.unwrap();
     let page: PendingPage = far
         .request(ids::PENDING_REQUEST, "far-1", &pending_request())
@@ -116,16 +118,16 @@ async fn a_remote_client_with_a_pinned_key_is_served_over_quic() {
     assert_eq!(again.pending_count, 2);
     far.close().await;
     // The certificate made on first start is kept: a restart serves the same one.
-    let kept = quic::identity(None, None, &dir).unwrap();
+    let kept = quic::identity(None, None, dir).unwrap();
     assert_eq!(kept.fingerprint(), cert.fingerprint());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_key_is_refused_and_an_unpinned_server_is_not_trusted() {
-    let dir = state_dir("refused");
+    let tmp = state_dir("refused");
+    let dir = tmp.path();
     let key = SigningKey::from_bytes(&[21; 32]);
-    let (addr, cert) = gateway(&dir, &key).await;
+    let (addr, cert) = gateway(dir, &key).await;
     let wrong = SigningKey::from_bytes(&[22; 32]);
     let mut far_wrong = far(addr, &cert, &wrong).await.unwrap();
     let refused = far_wrong
@@ -136,23 +138,22 @@ async fn a_wrong_key_is_refused_and_an_unpinned_server_is_not_trusted() {
         other => panic!("a wrong key was not refused: {other:?}"),
     }
     // A client pinning another certificate does not get a connection at all.
-    let other = quic::identity(None, None, &state_dir("other")).unwrap();
+    let other = quic::identity(None, None, state_dir("other").path()).unwrap();
     assert!(matches!(
         far(addr, &other, &key).await,
         Err(ClientError::Quic(_))
     ));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn pem_files_are_read_and_a_bad_one_is_refused() {
-    let dir = state_dir("pem");
+    let tmp = state_dir("pem");
+    let dir = tmp.path();
     let made = rcgen::generate_simple_self_signed(vec!["cultnet-gateway".to_owned()]).unwrap();
     std::fs::write(dir.join("c.pem"), made.cert.pem()).unwrap();
     std::fs::write(dir.join("k.pem"), made.key_pair.serialize_pem()).unwrap();
-    let id = quic::identity(Some(&dir.join("c.pem")), Some(&dir.join("k.pem")), &dir).unwrap();
+    let id = quic::identity(Some(&dir.join("c.pem")), Some(&dir.join("k.pem")), dir).unwrap();
     assert_eq!(id.certs[0].as_ref(), made.cert.der().as_ref());
     std::fs::write(dir.join("bad.pem"), "not a certificate").unwrap();
-    assert!(quic::identity(Some(&dir.join("bad.pem")), Some(&dir.join("k.pem")), &dir).is_err());
-    let _ = std::fs::remove_dir_all(&dir);
+    assert!(quic::identity(Some(&dir.join("bad.pem")), Some(&dir.join("k.pem")), dir).is_err());
 }

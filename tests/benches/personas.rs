@@ -43,9 +43,8 @@ fn main() {
     if std::env::args().any(|a| a == "--list" || a == "--test") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("cultnet-bench-personas-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("dir");
+    let scratch = tests::ScratchDir::new("bench-personas");
+    let dir = scratch.path();
     let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let url = hs.url();
@@ -78,7 +77,7 @@ fn main() {
         .collect();
     let mut figures = Vec::new();
     for n in [1usize, 6] {
-        let cfg = config(&dir, &url, &tokens[..n]);
+        let cfg = config(dir, &url, &tokens[..n]);
         let gw = GatewayProcess::start(&cfg);
         std::thread::sleep(Duration::from_secs(10));
         let rss = rss_kib(gw.pid());

@@ -789,8 +789,8 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let scratch =
-        std::env::temp_dir().join(format!("cultnet-bench-session-{}", std::process::id()));
+    let scratch_dir = tests::ScratchDir::new("bench-session");
+    let scratch = scratch_dir.path();
     let mut rows = Vec::new();
     rt.block_on(async {
         for shape in shapes {
@@ -838,7 +838,6 @@ fn main() {
             }
         }
     });
-    let _ = std::fs::remove_dir_all(&scratch);
     println!();
     println!("| workload | TTL | rebuild $/turn | resume $/turn | live $/turn | live / rebuild | live / resume | live / optimum | live hit | latency p50 live / resume / rebuild | live resets |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");

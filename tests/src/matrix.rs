@@ -470,14 +470,6 @@ pub fn run_cli(args: &[&str], config: &Path) -> std::process::Output {
         .expect("running cultnet-gateway")
 }
 
-/// A fresh temporary directory for a test (named after it and this process).
-pub fn tmp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temporary directory");
-    d
-}
-
 /// A public room with alias `#ALIAS:localhost`, created by `client`.
 pub async fn public_room(client: &Client, alias: &str) -> matrix_sdk::Room {
     use matrix_sdk::ruma::api::client::room::create_room::v3::{Request, RoomPreset};
@@ -505,7 +497,7 @@ pub async fn has_joined(
 /// The usual cast: a Synapse in `DIR/hs`, Persona `vera` (password login on device
 /// `GW-VERA`, the device [`persona`] configures) and her operator `ann` with a client.
 pub struct Scene {
-    /// The test's directory.
+    /// The test's directory (see `scratch` for its lifetime).
     pub dir: PathBuf,
     /// The homeserver.
     pub hs: crate::synapse::Synapse,
@@ -515,12 +507,15 @@ pub struct Scene {
     pub ann: Client,
     /// Vera's access token for device `GW-VERA`.
     pub vera_token: String,
+    /// Owns `dir`; last, so the homeserver stops before its files go.
+    _scratch: crate::ScratchDir,
 }
 
 impl Scene {
     /// Starts the homeserver and registers the cast.
     pub async fn new(name: &str, limits: crate::synapse::Limits) -> Self {
-        let dir = tmp_dir(name);
+        let scratch = crate::ScratchDir::new(name);
+        let dir = scratch.path().to_path_buf();
         let hs = crate::synapse::Synapse::start(&dir.join("hs"), limits);
         hs.register("vera", "vera-pw");
         hs.register("ann", "ann-pw");
@@ -533,6 +528,7 @@ impl Scene {
             url,
             ann,
             vera_token,
+            _scratch: scratch,
         }
     }
 }

@@ -13,13 +13,6 @@ use tests::claude_cli::new_session_id;
 use tests::mock_api::{Fault, MockApi, MockConfig};
 use wire::docs::Delivery;
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("cultnet-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// ~24k tokens of doctrine (the mock counts a quarter token per byte).
 fn doctrine(dir: &std::path::Path) -> PathBuf {
     let mut text = String::from(
@@ -74,7 +67,8 @@ fn delivery(seq: u64, text: &str) -> Delivery {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_batches_are_fifty_turns_of_one_warm_process() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("fifty");
+    let scratch = tests::ScratchDir::new("fifty");
+    let dir = scratch.path().to_path_buf();
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let pid = cli.pid();
     let mut seen = Seen::default();
@@ -114,7 +108,8 @@ async fn fifty_batches_are_fifty_turns_of_one_warm_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slash_commands_in_chat_reach_the_model_as_text() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("slash");
+    let scratch = tests::ScratchDir::new("slash");
+    let dir = scratch.path().to_path_buf();
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let mut seen = Seen::default();
     let first = cli
@@ -159,7 +154,8 @@ async fn slash_commands_in_chat_reach_the_model_as_text() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_process_resumes_the_same_session_from_cache() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("resume");
+    let scratch = tests::ScratchDir::new("resume");
+    let dir = scratch.path().to_path_buf();
     let id = new_session_id();
     let mut cfg = config(&mock, &dir);
     cfg.session_id = Some(id.clone());
@@ -213,7 +209,8 @@ async fn a_restarted_process_resumes_the_same_session_from_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cli_killed_mid_turn_is_resumed_and_the_batch_retried() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("kill");
+    let scratch = tests::ScratchDir::new("kill");
+    let dir = scratch.path().to_path_buf();
     let id = new_session_id();
     let mut cfg = config(&mock, &dir);
     cfg.session_id = Some(id.clone());
@@ -257,7 +254,8 @@ async fn a_cli_killed_mid_turn_is_resumed_and_the_batch_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("errors");
+    let scratch = tests::ScratchDir::new("errors");
+    let dir = scratch.path().to_path_buf();
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let pid = cli.pid();
     let mut seen = Seen::default();
@@ -304,7 +302,8 @@ async fn api_errors_end_in_a_defined_state_and_the_process_survives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("timeout");
+    let scratch = tests::ScratchDir::new("timeout");
+    let dir = scratch.path().to_path_buf();
     let mut cfg = config(&mock, &dir);
     cfg.turn_timeout = Duration::from_secs(2);
     let mut cli = Cli::spawn(cfg).await.expect("CLI ready");
@@ -334,7 +333,8 @@ async fn a_turn_past_its_timeout_is_interrupted_and_the_process_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compaction_summarises_and_the_session_goes_on_shorter() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("compact");
+    let scratch = tests::ScratchDir::new("compact");
+    let dir = scratch.path().to_path_buf();
     let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
     let mut seen = Seen::default();
     let long = "a long line of chat that fills the conversation ".repeat(200);
@@ -378,7 +378,8 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refreshes_keep_the_conversation_itself_warm_for_hours() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("keepwarm");
+    let scratch = tests::ScratchDir::new("keepwarm");
+    let dir = scratch.path().to_path_buf();
     let cfg = config(&mock, &dir);
     let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
     let mut seen = Seen::default();
@@ -423,7 +424,8 @@ async fn refreshes_keep_the_conversation_itself_warm_for_hours() {
 async fn one_shot_turns_resume_one_session() {
     use session::driver::{one_shot, Compaction};
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let dir = scratch("oneshot");
+    let scratch = tests::ScratchDir::new("oneshot");
+    let dir = scratch.path().to_path_buf();
     let cfg = config(&mock, &dir);
     let sid = new_session_id();
     let mut seen = Seen::default();

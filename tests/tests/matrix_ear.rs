@@ -8,8 +8,7 @@ use matrix_sdk::ruma::events::room::message::{MessageType, RoomMessageEventConte
 use matrix_sdk::ruma::events::Mentions;
 use matrix_sdk::ruma::OwnedUserId;
 use tests::matrix::{
-    has_joined, persona, public_room, room_bodies, sync, tmp_dir as tmp, token_for, user_client,
-    Gateway, Scene,
+    has_joined, persona, public_room, room_bodies, sync, token_for, user_client, Gateway, Scene,
 };
 use tests::synapse::{Limits, Synapse};
 use wire::docs::{DeliveryKind, SendRequest, Status};
@@ -20,7 +19,8 @@ fn text(body: &str) -> RoomMessageEventContent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_of_every_kind_and_an_encrypted_dm_answered() {
-    let dir = tmp("ear-kinds");
+    let scratch = tests::ScratchDir::new("ear-kinds");
+    let dir = scratch.path();
     let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
     hs.register("vera", "vera-pw");
     hs.register("ann", "ann-pw");

@@ -5,8 +5,8 @@ use tests::synapse::{get, Limits, Synapse};
 
 #[test]
 fn synapse_starts_registers_users_restarts_and_stops() {
-    let dir = std::env::temp_dir().join(format!("cultnet-synapse-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let scratch = tests::ScratchDir::new("synapse");
+    let dir = scratch.path().join("hs");
     let mut hs = Synapse::start(&dir, Limits::Relaxed);
     let alice = hs.register("alice", "alice-password");
     assert_eq!(alice.user_id, "@alice:localhost");

@@ -1,4 +1,4 @@
-//! What the gateway's benchmarks share: deliveries shaped like real ones.
+//! What the gateway's benchmarks share: deliveries shaped like real ones, scratch directories.
 
 use wire::docs::{ContextLine, Delivery};
 
@@ -32,4 +32,22 @@ pub fn env_count(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// A benchmark's inbox path inside a temporary directory that is removed, with the inbox's lock
+/// file beside it, when this is dropped.
+pub struct Scratch {
+    _root: tempfile::TempDir,
+    /// Where the inbox goes (not created yet).
+    pub path: std::path::PathBuf,
+}
+
+/// A fresh [`Scratch`] named for the measurement.
+pub fn scratch(name: &str) -> Scratch {
+    let root = tempfile::Builder::new()
+        .prefix(&format!("cultnet-bench-{name}-"))
+        .tempdir()
+        .expect("a temporary directory");
+    let path = root.path().join(name);
+    Scratch { _root: root, path }
 }

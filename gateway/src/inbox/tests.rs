@@ -1,21 +1,13 @@
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use proptest::prelude::*;
 use wire::docs::{Delivery, SendReceipt, Status};
 
 use super::*;
 
-pub(super) fn dir(name: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "cultnet-inbox-{name}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// Where a test's inbox lives (not created yet); removed with its lock file when dropped.
+pub(super) fn dir(name: &str) -> crate::scratch::Dir {
+    crate::scratch::Dir::new(&format!("inbox-{name}"))
 }
 
 pub(super) fn d(event: &str, text: &str) -> Delivery {

@@ -30,30 +30,12 @@ struct Fixture {
     svc: Service,
     inbox: Inbox,
     trigger: Arc<Notify>,
-    _dir: tempdir::Dir,
-}
-
-mod tempdir {
-    pub(super) struct Dir(pub(super) std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    pub(super) fn new(name: &str) -> Dir {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static N: AtomicU64 = AtomicU64::new(0);
-        Dir(std::env::temp_dir().join(format!(
-            "cultnet-service-{name}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        )))
-    }
+    _dir: crate::scratch::Dir,
 }
 
 fn fixture(name: &str) -> Fixture {
-    let dir = tempdir::new(name);
-    let inbox = Inbox::open(&dir.0).unwrap();
+    let dir = crate::scratch::Dir::new(&format!("service-{name}"));
+    let inbox = Inbox::open(&dir).unwrap();
     let trigger = Arc::new(Notify::new());
     let mut ports = BTreeMap::new();
     ports.insert("mira".to_owned(), port(Some(trigger.clone())));
