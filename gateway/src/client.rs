@@ -17,7 +17,7 @@ use wire::msg::{Message, Put, RawDocument};
 use wire::session::GATEWAY_CONNECTION_ID;
 
 use crate::endpoint::{self, EndpointConfig, EndpointError, EndpointEvent, EndpointHandle};
-use crate::service::{rfc3339, CHANNEL};
+use crate::service::{message_id, rfc3339, CHANNEL};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +186,7 @@ fn put_request<T: Serialize>(
         RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
     doc.source_agent_id = Some(agent_id.to_owned());
     Message::DocumentPutRaw(Put {
-        message_id: uuid::Uuid::new_v4().to_string(),
+        message_id: message_id(),
         document: doc,
     })
     .encode()

@@ -652,12 +652,12 @@ impl Service {
                 vec![self.receipt(ids::TURN_RECEIPT, &key, &receipt)]
             }
             Request::Status(r) => {
-                let allowed = self.clients.get(agent).map(|(_, c)| c.clone());
+                let allowed = self.clients.get(agent).map(|(_, c)| c);
                 let personas = self
                     .ports
                     .keys()
                     .filter(|p| r.persona.as_deref().is_none_or(|only| only == *p))
-                    .filter(|p| allowed.as_ref().is_some_and(|c| c.allows_persona(p)))
+                    .filter(|p| allowed.is_some_and(|c| c.allows_persona(p)))
                     .cloned()
                     .collect::<Vec<_>>();
                 let status = self.status(&personas);
@@ -1029,7 +1029,7 @@ pub fn receipt_bytes<T: Serialize>(
     doc.source_role = Some("matrix_gateway".to_owned());
     Bytes::from(
         Message::DocumentPutRaw(Put {
-            message_id: uuid::Uuid::new_v4().to_string(),
+            message_id: message_id(),
             document: doc,
         })
         .encode(),
@@ -1040,6 +1040,14 @@ fn error(text: String) -> Answer {
     Answer::Reply(Bytes::from(
         Message::Error(ErrorMsg { error: text }).encode(),
     ))
+}
+
+/// A new message id (a v4 UUID, hyphenated), written without the formatting machinery.
+pub fn message_id() -> String {
+    uuid::Uuid::new_v4()
+        .hyphenated()
+        .encode_lower(&mut uuid::Uuid::encode_buffer())
+        .to_owned()
 }
 
 /// `unix_ms` as RFC 3339 in UTC with milliseconds (`1970-01-01T00:00:00.000Z`).
@@ -1058,12 +1066,34 @@ pub fn rfc3339(unix_ms: i64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    // Digits by hand rather than `format!`: every answer carries a timestamp.
+    if !(0..=9999).contains(&year) {
+        // Outside RFC 3339's four digits (a clock far off): the general form.
+        return format!(
+            "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        );
+    }
+    let mut out = String::with_capacity(24);
+    let fields = [
+        (year, 4, '-'),
+        (month, 2, '-'),
+        (day, 2, 'T'),
+        (rem / 3600, 2, ':'),
+        (rem % 3600 / 60, 2, ':'),
+        (rem % 60, 2, '.'),
+        (ms, 3, 'Z'),
+    ];
+    for (n, width, then) in fields {
+        for k in (0..width).rev() {
+            let d = n.unsigned_abs() / 10u64.pow(k) % 10;
+            out.push(char::from(b'0' + d as u8));
+        }
+        out.push(then);
+    }
+    out
 }
 
 /// What the QUIC side ([`crate::quic`]) tells the service loop about its connections.

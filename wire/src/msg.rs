@@ -294,54 +294,77 @@ impl Message {
     }
 
     /// Decodes one message (exactly one MessagePack value).
+    ///
+    /// Every known peer writes `schemaVersion` as the map's first key; then the message is
+    /// measured by its markers alone ([`value_len`], no allocation) and decoded typed, without
+    /// building the value tree first. Any other shape, and any failure, takes the checked path
+    /// (the whole value read as a tree, then decoded), whose errors say what is wrong: both
+    /// paths accept the same messages (a property test holds them equal).
     pub fn decode(bytes: &[u8]) -> Result<Self, MsgError> {
+        if value_len(bytes) == Some(bytes.len()) {
+            if let Some(version) = leading_schema_version(bytes) {
+                if let Ok(m) = Self::decode_version(version, bytes) {
+                    return Ok(m);
+                }
+            }
+        }
+        Self::decode_checked(bytes)
+    }
+
+    /// [`Message::decode`] by the checked path alone.
+    pub fn decode_checked(bytes: &[u8]) -> Result<Self, MsgError> {
         fn text<'a>(v: &'a ValueRef<'_>) -> Option<&'a str> {
             match v {
                 ValueRef::String(s) => s.as_str(),
                 _ => None,
             }
         }
-        let version = match &read_one_ref(bytes)? {
+        let value = read_one_ref(bytes)?;
+        let version = match &value {
             ValueRef::Map(entries) => entries
                 .iter()
                 .find(|(k, _)| text(k) == Some("schemaVersion"))
                 .and_then(|(_, v)| text(v))
-                .ok_or(MsgError::MissingSchemaVersion)?
-                .to_owned(),
+                .ok_or(MsgError::MissingSchemaVersion)?,
             _ => return Err(MsgError::NotAMap),
         };
+        Self::decode_version(version, bytes)
+    }
+
+    /// The typed decode of a message whose `schemaVersion` is `version`.
+    fn decode_version(version: &str, bytes: &[u8]) -> Result<Self, MsgError> {
         use versions::*;
-        let msg = match version.as_str() {
+        let msg = match version {
             HELLO => {
-                let h: Hello = typed(&version, bytes)?;
+                let h: Hello = typed(version, bytes)?;
                 if h.runtime_id.is_empty() || h.runtime_kind.is_empty() {
                     return Err(invalid(
-                        &version,
+                        version,
                         "runtimeId and runtimeKind must not be empty",
                     ));
                 }
                 Self::Hello(h)
             }
-            ERROR => Self::Error(typed(&version, bytes)?),
-            DOCUMENT_PUT => Self::DocumentPut(typed(&version, bytes)?),
+            ERROR => Self::Error(typed(version, bytes)?),
+            DOCUMENT_PUT => Self::DocumentPut(typed(version, bytes)?),
             DOCUMENT_PUT_RAW => {
-                let p: Put<RawDocument> = typed(&version, bytes)?;
+                let p: Put<RawDocument> = typed(version, bytes)?;
                 check_raw(&p.document)?;
                 Self::DocumentPutRaw(p)
             }
-            DOCUMENT_DELETE => Self::DocumentDelete(typed(&version, bytes)?),
-            SNAPSHOT_REQUEST => Self::SnapshotRequest(typed(&version, bytes)?),
-            SNAPSHOT_RESPONSE => Self::SnapshotResponse(typed(&version, bytes)?),
+            DOCUMENT_DELETE => Self::DocumentDelete(typed(version, bytes)?),
+            SNAPSHOT_REQUEST => Self::SnapshotRequest(typed(version, bytes)?),
+            SNAPSHOT_RESPONSE => Self::SnapshotResponse(typed(version, bytes)?),
             SNAPSHOT_RESPONSE_RAW => {
-                let r: SnapshotResponse<RawDocument> = typed(&version, bytes)?;
+                let r: SnapshotResponse<RawDocument> = typed(version, bytes)?;
                 for d in &r.documents {
                     check_raw(d)?;
                 }
                 Self::SnapshotResponseRaw(r)
             }
-            SCHEMA_CATALOG_REQUEST => Self::SchemaCatalogRequest(typed(&version, bytes)?),
-            SCHEMA_CATALOG_RESPONSE => Self::SchemaCatalogResponse(typed(&version, bytes)?),
-            _ => return Err(MsgError::UnknownSchemaVersion(version)),
+            SCHEMA_CATALOG_REQUEST => Self::SchemaCatalogRequest(typed(version, bytes)?),
+            SCHEMA_CATALOG_RESPONSE => Self::SchemaCatalogResponse(typed(version, bytes)?),
+            _ => return Err(MsgError::UnknownSchemaVersion(version.to_owned())),
         };
         Ok(msg)
     }
@@ -385,8 +408,15 @@ impl RawDocument {
         }
     }
 
-    /// Decodes the payload as `T`.
+    /// Decodes the payload as `T` (exactly one MessagePack value). Measured by its markers and
+    /// decoded when that works; read as a tree first when it does not, so the error says what
+    /// is wrong.
     pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, MsgError> {
+        if value_len(&self.payload) == Some(self.payload.len()) {
+            if let Ok(v) = typed(&self.schema_id, &self.payload) {
+                return Ok(v);
+            }
+        }
         read_one_ref(&self.payload)?;
         typed(&self.schema_id, &self.payload)
     }
@@ -394,10 +424,16 @@ impl RawDocument {
 
 /// Encodes any serializable value as MessagePack with named map fields.
 pub fn encode_named<T: Serialize>(value: &T) -> Vec<u8> {
+    // Room for a typical message or receipt at once, instead of growing from empty by
+    // doubling (five reallocations and copies for a status answer).
+    let mut out = Vec::with_capacity(512);
     // Our types only hold strings, numbers, bools, sequences, maps and byte buffers, which
     // MessagePack represents, and writing into a Vec cannot fail: the empty fallback is
     // unreachable.
-    rmp_serde::to_vec_named(value).unwrap_or_default()
+    match rmp_serde::encode::write_named(&mut out, value) {
+        Ok(()) => out,
+        Err(_) => Vec::new(),
+    }
 }
 
 /// `body`'s fields with `schemaVersion` in front.
@@ -434,6 +470,75 @@ pub fn read_one_ref(bytes: &[u8]) -> Result<ValueRef<'_>, MsgError> {
 
 fn typed<T: DeserializeOwned>(version: &str, bytes: &[u8]) -> Result<T, MsgError> {
     rmp_serde::from_slice(bytes).map_err(|e| invalid(version, &e.to_string()))
+}
+
+/// The length of the one MessagePack value `bytes` starts with, from its markers and lengths
+/// alone: no allocation, no UTF-8 check. `None` when it is cut short or uses the reserved
+/// marker. Each step consumes at least one byte, so a huge declared count costs no more than
+/// the bytes there are.
+pub fn value_len(bytes: &[u8]) -> Option<usize> {
+    fn be(bytes: &[u8], at: usize, n: usize) -> Option<u64> {
+        let b = bytes.get(at..at.checked_add(n)?)?;
+        Some(b.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+    }
+    let mut pos = 0usize;
+    // Values still to be skipped.
+    let mut pending: u64 = 1;
+    while pending > 0 {
+        pending -= 1;
+        let m = *bytes.get(pos)?;
+        pos += 1;
+        // (header bytes after the marker, payload bytes, values contained)
+        let (head, data, items): (usize, u64, u64) = match m {
+            0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => (0, 0, 0),
+            0x80..=0x8f => (0, 0, 2 * u64::from(m & 0x0f)),
+            0x90..=0x9f => (0, 0, u64::from(m & 0x0f)),
+            0xa0..=0xbf => (0, u64::from(m & 0x1f), 0),
+            0xc1 => return None,
+            0xc4 | 0xd9 => (1, be(bytes, pos, 1)?, 0),
+            0xc5 | 0xda => (2, be(bytes, pos, 2)?, 0),
+            0xc6 | 0xdb => (4, be(bytes, pos, 4)?, 0),
+            0xc7 => (2, be(bytes, pos, 1)?, 0),
+            0xc8 => (3, be(bytes, pos, 2)?, 0),
+            0xc9 => (5, be(bytes, pos, 4)?, 0),
+            0xca | 0xce | 0xd2 => (0, 4, 0),
+            0xcb | 0xcf | 0xd3 => (0, 8, 0),
+            0xcc | 0xd0 => (0, 1, 0),
+            0xcd | 0xd1 => (0, 2, 0),
+            0xd4 => (0, 2, 0),
+            0xd5 => (0, 3, 0),
+            0xd6 => (0, 5, 0),
+            0xd7 => (0, 9, 0),
+            0xd8 => (0, 17, 0),
+            0xdc => (2, 0, be(bytes, pos, 2)?),
+            0xdd => (4, 0, be(bytes, pos, 4)?),
+            0xde => (2, 0, 2 * be(bytes, pos, 2)?),
+            0xdf => (4, 0, 2 * be(bytes, pos, 4)?),
+        };
+        let data = usize::try_from(data).ok()?;
+        pos = pos.checked_add(head)?.checked_add(data)?;
+        if pos > bytes.len() {
+            return None;
+        }
+        pending = pending.checked_add(items)?;
+    }
+    Some(pos)
+}
+
+/// The value of `schemaVersion` when it is the first key of the map `bytes` starts with, read
+/// without walking the rest.
+fn leading_schema_version(bytes: &[u8]) -> Option<&str> {
+    let rest = match *bytes.first()? {
+        0x81..=0x8f => &bytes[1..],
+        0xde => bytes.get(3..)?,
+        0xdf => bytes.get(5..)?,
+        _ => return None,
+    };
+    let (key, rest) = rmp::decode::read_str_from_slice(rest).ok()?;
+    if key != "schemaVersion" {
+        return None;
+    }
+    rmp::decode::read_str_from_slice(rest).ok().map(|(v, _)| v)
 }
 
 fn invalid(version: &str, reason: &str) -> MsgError {
@@ -541,6 +646,117 @@ impl FrameDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Messages of every shape the fast path takes, and one it does not (key order).
+    fn samples() -> Vec<Vec<u8>> {
+        let status = crate::docs::GatewayStatus {
+            runtime_id: "gw".into(),
+            version: "1".into(),
+            started_at: "2026-12-04T00:00:00.000Z".into(),
+            peers: 3,
+            personas: vec![crate::docs::PersonaStatus {
+                persona: "vera".into(),
+                user_id: "@vera:localhost".into(),
+                sync_state: "syncing".into(),
+                pending_count: 4,
+                highest_seq: 9,
+                acked_through: 5,
+                last_error: Some("é".into()),
+            }],
+        };
+        let put = Message::DocumentPutRaw(Put {
+            message_id: "m".into(),
+            document: RawDocument::from_payload("s", "k", "t", &status),
+        });
+        let reordered = Value::Map(vec![
+            ("runtimeKind".into(), "k".into()),
+            ("schemaVersion".into(), versions::HELLO.into()),
+            ("runtimeId".into(), "r".into()),
+        ]);
+        let mut other = Vec::new();
+        rmpv::encode::write_value(&mut other, &reordered).unwrap();
+        vec![
+            put.encode(),
+            Message::Hello(crate::docs::gateway_hello("gw")).encode(),
+            other,
+            encode_named(&status),
+        ]
+    }
+
+    /// Any MessagePack value: every marker, nested.
+    fn value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Nil),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f32>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            proptest::collection::vec(any::<char>(), 0..40)
+                .prop_map(|c| Value::from(c.into_iter().collect::<String>())),
+            proptest::collection::vec(any::<u8>(), 0..300).prop_map(Value::from),
+            (any::<i8>(), proptest::collection::vec(any::<u8>(), 0..20))
+                .prop_map(|(t, d)| Value::Ext(t, d)),
+        ];
+        leaf.prop_recursive(4, 64, 20, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..20).prop_map(Value::Array),
+                proptest::collection::vec((inner.clone(), inner), 0..20).prop_map(Value::Map),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        /// The one-pass decode and the checked decode agree on every input: valid messages,
+        /// and the same with bytes flipped, cut, or appended.
+        #[test]
+        fn one_pass_and_checked_decode_agree(
+            which in 0usize..4,
+            flips in proptest::collection::vec((proptest::arbitrary::any::<usize>(), proptest::arbitrary::any::<u8>()), 0..4),
+            cut in proptest::option::of(proptest::arbitrary::any::<usize>()),
+            tail in proptest::collection::vec(proptest::arbitrary::any::<u8>(), 0..3),
+        ) {
+            let mut bytes = samples()[which].clone();
+            for (at, x) in flips {
+                let n = bytes.len();
+                bytes[at % n] ^= x;
+            }
+            if let Some(c) = cut {
+                bytes.truncate(c % (bytes.len() + 1));
+            }
+            bytes.extend(tail);
+            proptest::prop_assert_eq!(Message::decode(&bytes), Message::decode_checked(&bytes));
+            let whole = value_len(&bytes) == Some(bytes.len());
+            proptest::prop_assert_eq!(whole, read_one_ref(&bytes).is_ok());
+            if let Ok(Message::DocumentPutRaw(p)) = Message::decode(&bytes) {
+                let fast = p.document.payload_as::<crate::docs::GatewayStatus>();
+                let slow = read_one_ref(&p.document.payload)
+                    .and_then(|_| typed::<crate::docs::GatewayStatus>(&p.document.schema_id, &p.document.payload));
+                proptest::prop_assert_eq!(fast, slow);
+            }
+        }
+
+        /// Any MessagePack value, of every marker: its length is found exactly, bytes after it
+        /// are not counted, and a value cut short has none.
+        #[test]
+        fn value_len_measures_every_kind_of_value(v in value(), extra in proptest::collection::vec(proptest::arbitrary::any::<u8>(), 0..4)) {
+            let mut bytes = Vec::new();
+            rmpv::encode::write_value(&mut bytes, &v).unwrap();
+            let n = bytes.len();
+            proptest::prop_assert_eq!(value_len(&bytes), Some(n));
+            proptest::prop_assert_eq!(value_len(&bytes[..n - 1]), None);
+            bytes.extend(extra);
+            proptest::prop_assert_eq!(value_len(&bytes), Some(n));
+        }
+
+        /// Arbitrary bytes: the same agreement.
+        #[test]
+        fn value_len_agrees_with_the_tree_reader(bytes in proptest::collection::vec(proptest::arbitrary::any::<u8>(), 0..64)) {
+            proptest::prop_assert_eq!(value_len(&bytes) == Some(bytes.len()), read_one_ref(&bytes).is_ok());
+            proptest::prop_assert_eq!(Message::decode(&bytes), Message::decode_checked(&bytes));
+        }
+    }
 
     #[test]
     fn key_order_and_nil_optionals_do_not_matter() {
