@@ -142,6 +142,9 @@ pub enum HubError {
     /// This Connect was accepted already (a second verdict on a resent Connect).
     #[error("the connect from {0} was accepted already")]
     AlreadyAccepted(SocketAddr),
+    /// `max_peers` sessions exist: the client was told `server full`.
+    #[error("no session slot left for {0}")]
+    Full(SocketAddr),
 }
 
 /// A Connect waiting for the owner's verdict. It holds everything answering it needs, so the
@@ -266,7 +269,8 @@ impl Hub {
 
     /// Accepts a Connect: the session starts and its Accept goes out. Applied even if the
     /// waiting room evicted the hub's copy, unless the Connect is older than `pending_timeout`,
-    /// a newer Connect from that address replaced it, or it was accepted already.
+    /// a newer Connect from that address replaced it, it was accepted already, or `max_peers`
+    /// sessions exist by now (then the client is told `server full`).
     pub fn accept(&mut self, now: Instant, req: &ConnectRequest) -> Result<(), HubError> {
         let peer = req.peer;
         self.take_pending(req)?;
@@ -283,6 +287,12 @@ impl Hub {
         }
         if now.saturating_duration_since(req.at) >= self.cfg.pending_timeout {
             return Err(HubError::Expired(peer));
+        }
+        if self.peers.len() >= self.cfg.max_peers {
+            // Sessions filled up while this Connect waited: the quota holds.
+            self.stats.peers_full += 1;
+            self.push_raw(peer, PacketType::Disconnect, b"server full");
+            return Err(HubError::Full(peer));
         }
         let connect = Packet {
             ptype: PacketType::Connect,

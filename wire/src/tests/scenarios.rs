@@ -714,6 +714,40 @@ fn a_full_waiting_room_drops_its_oldest_copy_but_a_verdict_on_it_still_counts() 
 }
 
 #[test]
+fn verdicts_that_come_after_the_sessions_filled_up_keep_the_peer_cap() {
+    let mut c = cfg();
+    c.max_peers = 1;
+    let mut hub = Hub::new(c, 3);
+    let now = std::time::Instant::now();
+    let conn = hub.config().session.connection_id;
+    let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
+    // Both arrive while there is room; both are judged good.
+    hub.handle(now, a, &connect_bytes(conn, 1, b"x"));
+    hub.handle(now, b, &connect_bytes(conn, 1, b"y"));
+    let (ra, rb) = (
+        hub.waiting(a).cloned().unwrap(),
+        hub.waiting(b).cloned().unwrap(),
+    );
+    hub.accept(now, &ra).unwrap();
+    assert_eq!(hub.accept(now, &rb), Err(HubError::Full(b)));
+    assert_eq!((hub.peer_count(), hub.stats().peers_full), (1, 1));
+    let told = drain(&mut hub, now)
+        .into_iter()
+        .filter(|(to, _)| *to == b)
+        .map(|(_, d)| {
+            Packet::decode(&d)
+                .map(|p| (p.ptype, p.payload.to_vec()))
+                .unwrap()
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(
+        told,
+        vec![(PacketType::Disconnect, b"server full".to_vec())]
+    );
+}
+
+#[test]
 fn a_verdict_on_a_connect_replaced_by_a_newer_one_is_not_applied() {
     let mut hub = Hub::new(cfg(), 3);
     let now = std::time::Instant::now();
