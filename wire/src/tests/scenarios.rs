@@ -58,6 +58,26 @@ fn events(hub: &mut Hub) -> Vec<HubEvent> {
     std::iter::from_fn(|| hub.poll_event()).collect()
 }
 
+/// A hub on `cfg()` as `tune` changes it, the time now, and its connection id.
+fn hub_with(tune: impl FnOnce(&mut HubConfig)) -> (Hub, std::time::Instant, u32) {
+    let mut c = cfg();
+    tune(&mut c);
+    let hub = Hub::new(c, 3);
+    let conn = hub.config().session.connection_id;
+    (hub, std::time::Instant::now(), conn)
+}
+
+/// The Connects the hub has reported so far, in order.
+fn requests(hub: &mut Hub) -> Vec<crate::hub::ConnectRequest> {
+    events(hub)
+        .into_iter()
+        .filter_map(|e| match e {
+            HubEvent::ConnectRequest(r) => Some(r),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn repeated_connect_gets_identical_accept_bytes_then_an_ack() {
     let mut hub = Hub::new(cfg(), 3);
@@ -645,11 +665,9 @@ fn frame_arriving_for_a_skipped_hole_is_delivered_late_not_dropped() {
 
 #[test]
 fn unanswered_connects_expire_and_free_their_slot() {
-    let mut c = cfg();
-    c.max_pending = 1;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_pending = 1;
+    });
     let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
     hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
     assert_eq!(hub.pending_count(), 1);
@@ -666,11 +684,9 @@ fn unanswered_connects_expire_and_free_their_slot() {
 
 #[test]
 fn a_full_waiting_room_drops_its_oldest_copy_but_a_verdict_on_it_still_counts() {
-    let mut c = cfg();
-    c.max_pending = 1;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_pending = 1;
+    });
     let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let second: SocketAddr = "127.0.0.1:2".parse().unwrap();
     hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
@@ -688,13 +704,7 @@ fn a_full_waiting_room_drops_its_oldest_copy_but_a_verdict_on_it_still_counts() 
         (1, 0, 1)
     );
     assert!(hub.waiting(first).is_none(), "the oldest copy makes room");
-    let reqs: Vec<_> = events(&mut hub)
-        .into_iter()
-        .filter_map(|e| match e {
-            HubEvent::ConnectRequest(r) => Some(r),
-            _ => None,
-        })
-        .collect();
+    let reqs = requests(&mut hub);
     assert_eq!(reqs.len(), 2, "both were reported to the owner");
     hub.accept(now, &reqs[0])
         .expect("the evicted one's verdict holds");
@@ -715,11 +725,9 @@ fn a_full_waiting_room_drops_its_oldest_copy_but_a_verdict_on_it_still_counts() 
 
 #[test]
 fn verdicts_that_come_after_the_sessions_filled_up_keep_the_peer_cap() {
-    let mut c = cfg();
-    c.max_peers = 1;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_peers = 1;
+    });
     let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
     // Both arrive while there is room; both are judged good.
@@ -749,9 +757,7 @@ fn verdicts_that_come_after_the_sessions_filled_up_keep_the_peer_cap() {
 
 #[test]
 fn a_verdict_on_a_connect_replaced_by_a_newer_one_is_not_applied() {
-    let mut hub = Hub::new(cfg(), 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|_| {});
     let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
     hub.handle(now, peer, &connect_bytes(conn, 1, b"old"));
     let old = hub.waiting(peer).cloned().unwrap();
@@ -765,11 +771,9 @@ fn a_verdict_on_a_connect_replaced_by_a_newer_one_is_not_applied() {
 
 #[test]
 fn a_refusal_of_an_evicted_connect_still_tells_its_client() {
-    let mut c = cfg();
-    c.max_pending = 1;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_pending = 1;
+    });
     let first: SocketAddr = "127.0.0.1:1".parse().unwrap();
     hub.handle(now, first, &connect_bytes(conn, 1, b"x"));
     let req = hub.waiting(first).cloned().unwrap();
@@ -792,9 +796,7 @@ fn a_refusal_of_an_evicted_connect_still_tells_its_client() {
 
 #[test]
 fn an_oversized_connect_is_refused_without_the_owner() {
-    let mut hub = Hub::new(cfg(), 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|_| {});
     let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let max = hub.config().max_connect_payload;
     hub.handle(now, peer, &connect_bytes(conn, 1, &vec![7; max + 1]));
@@ -817,11 +819,9 @@ fn an_oversized_connect_is_refused_without_the_owner() {
 /// client's Connect, yet its verdict still lets the client in.
 #[test]
 fn an_owner_lagging_behind_a_connect_flood_still_lets_a_client_in() {
-    let mut c = cfg();
-    c.max_pending = 16;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_pending = 16;
+    });
     let real: SocketAddr = "127.0.0.1:4000".parse().unwrap();
     for i in 0..500u32 {
         let from = SocketAddr::from(([127, 0, (i / 250) as u8 + 1, (i % 250) as u8 + 1], 9));
@@ -835,13 +835,11 @@ fn an_owner_lagging_behind_a_connect_flood_still_lets_a_client_in() {
         hub.waiting(real).is_none(),
         "evicted long before the owner gets to it"
     );
-    for e in events(&mut hub) {
-        if let HubEvent::ConnectRequest(req) = e {
-            if &req.payload[..] == b"real" {
-                hub.accept(now, &req).expect("the verdict still holds");
-            } else {
-                let _ = hub.refuse(&req, "bad credentials");
-            }
+    for req in requests(&mut hub) {
+        if &req.payload[..] == b"real" {
+            hub.accept(now, &req).expect("the verdict still holds");
+        } else {
+            let _ = hub.refuse(&req, "bad credentials");
         }
     }
     assert_eq!(hub.peer_count(), 1);
@@ -855,12 +853,10 @@ fn an_owner_lagging_behind_a_connect_flood_still_lets_a_client_in() {
 /// answers.
 #[test]
 fn connect_spray_from_many_addresses_does_not_lock_out_a_client() {
-    let mut c = cfg();
-    c.max_peers = 4;
-    c.max_pending = 16;
-    let mut hub = Hub::new(c, 3);
-    let now = std::time::Instant::now();
-    let conn = hub.config().session.connection_id;
+    let (mut hub, now, conn) = hub_with(|c| {
+        c.max_peers = 4;
+        c.max_pending = 16;
+    });
     let real: SocketAddr = "127.0.0.1:4000".parse().unwrap();
     for i in 0..500u32 {
         let from = SocketAddr::from(([127, 0, (i / 250) as u8 + 1, (i % 250) as u8 + 1], 9));
