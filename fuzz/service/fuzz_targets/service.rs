@@ -41,9 +41,19 @@ const PERSONAS: [&str; 4] = ["mira", "otto", "nobody", ""];
 fn inbox() -> &'static Mutex<Inbox> {
     static INBOX: OnceLock<Mutex<Inbox>> = OnceLock::new();
     INBOX.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("cultnet-fuzz-service-{}", std::process::id()));
+        // A fuzzing run ends with exit(), never dropping this: earlier runs' directories (their
+        // processes gone) are removed here instead.
+        let base = std::env::temp_dir();
+        for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let pid = name.to_str().and_then(|n| n.strip_prefix("cultnet-fuzz-service-"));
+            if pid.is_some_and(|p| !std::path::Path::new("/proc").join(p).exists()) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let dir = base.join(format!("cultnet-fuzz-service-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let inbox = Inbox::open(&dir).expect("inbox");
+        let inbox = Inbox::open(&dir.join("inbox")).expect("inbox");
         let d = |i: u64| Delivery {
             event_id: format!("$e{i}"),
             room_id: "!r:l".into(),
