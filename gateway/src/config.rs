@@ -1057,7 +1057,6 @@ operators = ["@op:localhost"]
         assert_eq!(t.expose(), "syt_secret_token");
         assert_eq!(format!("{t:?} {t}"), "<redacted> <redacted>");
         assert!(!format!("{:?}", c.personas[0]).contains("syt_"));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -162,10 +162,17 @@ pub struct ConnectRequest {
 }
 
 impl ConnectRequest {
-    /// The same Connect (a resend carries the same sequence and payload).
-    fn same(&self, other: &ConnectRequest) -> bool {
-        self.sequence == other.sequence && self.payload == other.payload
+    /// Whether a Connect with this sequence and payload is this one (a resend carries both).
+    fn is(&self, sequence: u32, payload: &[u8]) -> bool {
+        self.sequence == sequence && self.payload[..] == *payload
     }
+}
+
+/// Whether `s` is the server session a Connect with this sequence and payload opened.
+fn opened_by(s: &Session, sequence: u32, payload: &[u8]) -> bool {
+    s.role() == Role::Server
+        && s.connect_sequence() == sequence
+        && s.connect_payload()[..] == *payload
 }
 
 #[derive(Debug)]
@@ -275,11 +282,7 @@ impl Hub {
         let peer = req.peer;
         self.take_pending(req)?;
         if let Some(e) = self.peers.get(&peer) {
-            let s = &e.session;
-            let same = s.role() == Role::Server
-                && s.connect_sequence() == req.sequence
-                && *s.connect_payload() == req.payload;
-            return Err(if same {
+            return Err(if opened_by(&e.session, req.sequence, &req.payload) {
                 HubError::AlreadyAccepted(peer)
             } else {
                 HubError::Superseded(peer)
@@ -290,8 +293,7 @@ impl Hub {
         }
         if self.peers.len() >= self.cfg.max_peers {
             // Sessions filled up while this Connect waited: the quota holds.
-            self.stats.peers_full += 1;
-            self.push_raw(peer, PacketType::Disconnect, b"server full");
+            self.turn_away_full(peer);
             return Err(HubError::Full(peer));
         }
         let connect = Packet {
@@ -327,7 +329,7 @@ impl Hub {
     /// that address means `req` is stale.
     fn take_pending(&mut self, req: &ConnectRequest) -> Result<(), HubError> {
         match self.pending.get(&req.peer) {
-            Some(p) if p.same(req) => {
+            Some(p) if p.is(req.sequence, &req.payload) => {
                 self.pending.remove(&req.peer);
                 Ok(())
             }
@@ -439,12 +441,7 @@ impl Hub {
 
     fn on_connect(&mut self, now: Instant, from: SocketAddr, p: &Packet<'_>) {
         if let Some(e) = self.peers.get_mut(&from) {
-            let s = &e.session;
-            if s.role() == Role::Server
-                && s.connect_sequence() == p.sequence
-                && s.connect_payload()[..] == *p.payload
-                && s.close_reason().is_none()
-            {
+            if opened_by(&e.session, p.sequence, p.payload) && e.session.close_reason().is_none() {
                 e.session.handle(now, p);
                 self.after(from);
                 return;
@@ -462,7 +459,7 @@ impl Hub {
             }
         }
         if let Some(pending) = self.pending.get(&from) {
-            if pending.sequence == p.sequence && pending.payload[..] == *p.payload {
+            if pending.is(p.sequence, p.payload) {
                 return; // Still waiting for the owner's answer.
             }
             self.pending.remove(&from);
@@ -473,8 +470,7 @@ impl Hub {
             return;
         }
         if self.peers.len() >= self.cfg.max_peers {
-            self.stats.peers_full += 1;
-            self.push_raw(from, PacketType::Disconnect, b"server full");
+            self.turn_away_full(from);
             return;
         }
         if self.pending.len() >= self.cfg.max_pending.max(1) {
@@ -546,6 +542,12 @@ impl Hub {
                 add(&mut self.retired, &e.session.stats());
             }
         }
+    }
+
+    /// Tells `peer` there is no session slot for it (`max_peers` reached).
+    fn turn_away_full(&mut self, peer: SocketAddr) {
+        self.stats.peers_full += 1;
+        self.push_raw(peer, PacketType::Disconnect, b"server full");
     }
 
     fn push_raw(&mut self, to: SocketAddr, ptype: PacketType, payload: &[u8]) {

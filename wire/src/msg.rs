@@ -297,15 +297,16 @@ impl Message {
     ///
     /// Every known peer writes `schemaVersion` as the map's first key; then the message is
     /// measured by its markers alone ([`value_len`], no allocation) and decoded typed, without
-    /// building the value tree first. Any other shape, and any failure, takes the checked path
-    /// (the whole value read as a tree, then decoded), whose errors say what is wrong: both
-    /// paths accept the same messages (a property test holds them equal).
+    /// building the value tree first. A message that is exactly one value with that key first
+    /// would take the same typed decode on the checked path, so its result (success or error)
+    /// is final; any other shape takes the checked path (the whole value read as a tree), whose
+    /// errors say what is wrong. A property test holds the two paths equal. (One difference by
+    /// construction: nesting past ~1,000 levels is refused by either path, as `Invalid` here
+    /// and `NotMessagePack` there.)
     pub fn decode(bytes: &[u8]) -> Result<Self, MsgError> {
         if value_len(bytes) == Some(bytes.len()) {
             if let Some(version) = leading_schema_version(bytes) {
-                if let Ok(m) = Self::decode_version(version, bytes) {
-                    return Ok(m);
-                }
+                return Self::decode_version(version, bytes);
             }
         }
         Self::decode_checked(bytes)
@@ -408,16 +409,13 @@ impl RawDocument {
         }
     }
 
-    /// Decodes the payload as `T` (exactly one MessagePack value). Measured by its markers and
-    /// decoded when that works; read as a tree first when it does not, so the error says what
-    /// is wrong.
+    /// Decodes the payload as `T` (exactly one MessagePack value). Measured by its markers, then
+    /// decoded typed; a payload that is not exactly one value is read as a tree for the error
+    /// that says why.
     pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, MsgError> {
-        if value_len(&self.payload) == Some(self.payload.len()) {
-            if let Ok(v) = typed(&self.schema_id, &self.payload) {
-                return Ok(v);
-            }
+        if value_len(&self.payload) != Some(self.payload.len()) {
+            read_one_ref(&self.payload)?;
         }
-        read_one_ref(&self.payload)?;
         typed(&self.schema_id, &self.payload)
     }
 }

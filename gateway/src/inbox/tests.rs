@@ -373,7 +373,6 @@ proptest! {
             prop_assert_eq!(page.more, want.len() > limit);
             prop_assert_eq!(inbox.counts("p").unwrap(), Counts { highest: next - 1, acked_through: acked, pending: model.len() as u64 });
         }
-        let _ = std::fs::remove_dir_all(&path);
     }
 }
 

@@ -324,5 +324,4 @@ fn a_call_waiting_for_a_compaction_does_not_stall_the_runtime() {
         ticked >= 20,
         "the worker's other task stalled: {ticked} ticks in {waited:?}"
     );
-    std::fs::remove_dir_all(&path).ok();
 }
