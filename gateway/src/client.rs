@@ -152,6 +152,10 @@ impl Client {
             Ok(Some(EndpointEvent::SendFailed { error, .. })) => {
                 Err(ClientError::Gateway(format!("request not sent: {error}")))
             }
+            // A client accepts no Connects; its endpoint cannot report this.
+            Ok(Some(EndpointEvent::AcceptNotApplied { error, .. })) => {
+                Err(ClientError::Gateway(format!("unexpected: {error}")))
+            }
         }
     }
 

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 use wire::error::SendError;
 
-use wire::hub::{ConnectRequest, Hub, HubConfig, HubEvent, HubStats};
+use wire::hub::{ConnectRequest, Hub, HubConfig, HubError, HubEvent, HubStats};
 
 /// Largest GSO batch in bytes (the kernel's limit for one UDP send).
 const MAX_GSO_BYTES: usize = 65_000;
@@ -83,6 +83,14 @@ pub enum EndpointEvent {
         peer: SocketAddr,
         /// Why.
         error: SendError,
+    },
+    /// An [`EndpointHandle::accept`] opened no session (see [`Hub::accept`]): the owner's
+    /// record of that peer may have to go.
+    AcceptNotApplied {
+        /// Whose Connect.
+        peer: SocketAddr,
+        /// Why.
+        error: HubError,
     },
 }
 
@@ -325,8 +333,14 @@ impl Driver {
                 }
             }
             Command::Accept(req) => {
-                if let Err(e) = self.hub.accept(now, &req) {
-                    debug!(peer = %req.peer, error = %e, "accept not applied");
+                if let Err(error) = self.hub.accept(now, &req) {
+                    debug!(peer = %req.peer, %error, "accept not applied");
+                    // Reported before any event of a later Connect from that peer (failures
+                    // go out first), so the owner never forgets a newer peer's record.
+                    self.failures.push_back(EndpointEvent::AcceptNotApplied {
+                        peer: req.peer,
+                        error,
+                    });
                 }
             }
             Command::Refuse(req, reason) => {

@@ -48,7 +48,7 @@ use wire::docs::{
     ids, AckReceipt, AuthError, ConnectPayload, ControlReceipt, ExtensionAckReceipt, GatewayStatus,
     NoteReceipt, PersonaStatus, Request, SendReceipt, Status, TurnReceipt,
 };
-use wire::hub::HubEvent;
+use wire::hub::{HubError, HubEvent};
 use wire::msg::{ErrorMsg, Message, Put, RawDocument};
 use wire::session::Frame;
 
@@ -1331,6 +1331,17 @@ async fn endpoint_event(
                     .is_ok();
             }
             tracing::warn!(%peer, "answer not sent: {error}");
+            return true;
+        }
+        EndpointEvent::AcceptNotApplied { peer, error } => {
+            // Too late or no slot: no session was opened for the Connect `authenticate`
+            // recorded, and no newer one from that peer holds the record (the endpoint reports
+            // this before any later Connect's events), so the record goes; otherwise it would
+            // count as a peer until a Connect from that address succeeded. A superseded verdict
+            // keeps it: the newer Connect's own authentication rewrites it.
+            if matches!(error, HubError::Expired(_) | HubError::Full(_)) {
+                service.forget(peer);
+            }
             return true;
         }
     };

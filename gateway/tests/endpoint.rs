@@ -6,7 +6,7 @@ use bytes::Bytes;
 use gateway::endpoint::{spawn, EndpointConfig, EndpointEvent, EndpointHandle};
 use tokio::sync::mpsc::Receiver;
 use wire::error::{CloseReason, SendError};
-use wire::hub::HubEvent;
+use wire::hub::{HubError, HubEvent};
 
 async fn endpoint(seed: u64, loss: f64) -> (EndpointHandle, Receiver<EndpointEvent>) {
     let mut cfg = EndpointConfig::new("127.0.0.1:0".parse().unwrap(), seed);
@@ -128,4 +128,39 @@ async fn refusal_and_send_failures_are_reported() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     server.shutdown().await.unwrap();
+}
+
+/// A verdict given after the Connect's waiting time opens nothing, and the owner is told so.
+#[tokio::test]
+async fn an_accept_that_comes_too_late_is_reported() {
+    let mut cfg = EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 5);
+    cfg.hub.pending_timeout = Duration::from_millis(100);
+    let (server, mut srx, _) = spawn(cfg).await.unwrap();
+    let (client, _crx) = endpoint(6, 0.0).await;
+    client
+        .connect(server.local_addr(), Bytes::from_static(b"late"))
+        .await
+        .unwrap();
+    let HubEvent::ConnectRequest(req) = next_hub(&mut srx).await else {
+        panic!()
+    };
+    let peer = req.peer;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.accept(req).await.unwrap();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), srx.recv()).await {
+            Ok(Some(EndpointEvent::AcceptNotApplied { peer: p, error })) => {
+                assert_eq!((p, error), (peer, HubError::Expired(peer)));
+                break;
+            }
+            // The client's resent Connect, if the machine was slow enough for one.
+            Ok(Some(EndpointEvent::Hub(HubEvent::ConnectRequest(_)))) => {}
+            other => panic!("expected AcceptNotApplied, got {other:?}"),
+        }
+    }
+    assert_eq!(server.stats().await.unwrap().hub.peers_full, 0);
+    assert!(
+        server.stats().await.unwrap().hub.sessions.packets_out == 0,
+        "a session was opened"
+    );
 }

@@ -657,3 +657,34 @@ fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
         .handle(peer(1), &put(ids::CONTROL_REQUEST, "c3", &req));
     assert!(matches!(&third[..], [Answer::Control { .. }]));
 }
+
+/// An accept the endpoint could not apply (too late, or no session slot) opened no session:
+/// the record `authenticate` made goes, so it is not counted as a peer for ever. A superseded
+/// verdict keeps it (the newer Connect's authentication owns it).
+#[tokio::test]
+async fn a_verdict_that_opened_no_session_leaves_no_peer_behind() {
+    let mut f = fixture("not-applied");
+    let (ep, _events, _task) = crate::endpoint::spawn(crate::endpoint::EndpointConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        5,
+    ))
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    for (n, error, kept) in [
+        (1, HubError::Expired(peer(1)), false),
+        (2, HubError::Full(peer(2)), false),
+        (3, HubError::Superseded(peer(3)), true),
+        (4, HubError::AlreadyAccepted(peer(4)), true),
+    ] {
+        connect(&mut f.svc, peer(n), "organ", 1, &format!("na{n}")).unwrap();
+        assert!(f.svc.peer_addrs().contains(&peer(n)));
+        let event = EndpointEvent::AcceptNotApplied {
+            peer: peer(n),
+            error,
+        };
+        assert!(endpoint_event(&mut f.svc, &ep, event, &mut out).await);
+        assert_eq!(f.svc.peer_addrs().contains(&peer(n)), kept, "peer {n}");
+    }
+    assert!(out.is_empty());
+}
