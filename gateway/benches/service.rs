@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use gateway::client::{Client, QuicClient};
 use gateway::config::{Client as ClientConfig, Verb};
-use gateway::endpoint::{spawn, EndpointConfig};
+use gateway::endpoint::{Endpoint, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::quic;
 use gateway::service::{serve_with, Port, Service};
@@ -71,10 +71,9 @@ fn main() {
             &clients,
             ports,
         );
-        let (endpoint, events, _) =
-            spawn(EndpointConfig::new("127.0.0.1:0".parse().expect("addr"), 1))
-                .await
-                .expect("endpoint");
+        let endpoint = Endpoint::bind(EndpointConfig::new("127.0.0.1:0".parse().expect("addr"), 1))
+            .await
+            .expect("endpoint");
         let addr = endpoint.local_addr();
         let (_stop_tx, stop) = tokio::sync::watch::channel(false);
         let identity = quic::identity(None, None, &dir.path.join("state")).expect("certificate");
@@ -83,7 +82,7 @@ fn main() {
         let quic_addr = server.local_addr().expect("quic address");
         let (remote_tx, remote_rx) = tokio::sync::mpsc::channel(1024);
         tokio::spawn(quic::accept(server, remote_tx, stop.clone()));
-        tokio::spawn(serve_with(service, endpoint, events, Some(remote_rx), stop));
+        tokio::spawn(serve_with(service, endpoint, Some(remote_rx), stop));
         let mut c = Client::connect(addr, "organ", &key, Duration::from_secs(10))
             .await
             .expect("connect");

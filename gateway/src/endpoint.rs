@@ -1,5 +1,11 @@
-//! The CultNet UDP endpoint: one tokio task owns the socket and a [`Hub`]; everyone else talks to
-//! it through an [`EndpointHandle`] (commands in) and an [`EndpointEvent`] receiver (events out).
+//! The CultNet UDP endpoint: the socket and a [`Hub`], driven in one of two ways.
+//!
+//! - [`spawn`]: a tokio task of its own owns them; everyone else talks to it through an
+//!   [`EndpointHandle`] (commands in) and an [`EndpointEvent`] receiver (events out).
+//! - [`Endpoint`]: its owner drives it ([`Endpoint::ready`], [`Endpoint::pump`],
+//!   [`Endpoint::poll_event`], [`Endpoint::flush`]) and answers events in the same task, as the
+//!   CultNet service does: a request then costs no hop between tasks on its way in or out.
+//!   Handles still work (their commands are taken at each pump).
 //!
 //! Each wake-up the task drains commands, reads every datagram waiting (`recvmmsg`, with GRO
 //! segments split by their stride), runs due timers, then sends everything the hub has to
@@ -18,6 +24,7 @@
 
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
+use std::pin::Pin;
 
 use bytes::Bytes;
 use quinn_udp::{RecvMeta, Transmit, UdpSocketState};
@@ -25,7 +32,7 @@ use std::collections::VecDeque;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tracing::{debug, warn};
 use wire::error::SendError;
 
@@ -223,44 +230,114 @@ pub async fn spawn(
     ),
     EndpointError,
 > {
-    let bind_err = |source| EndpointError::Bind {
-        addr: cfg.bind,
-        source,
-    };
-    let socket = UdpSocket::bind(cfg.bind).await.map_err(bind_err)?;
-    let state = UdpSocketState::new((&socket).into()).map_err(bind_err)?;
-    let local = socket.local_addr().map_err(bind_err)?;
-    let (cmd_tx, cmd_rx) = mpsc::channel(cfg.command_capacity);
+    let (driver, cmd_tx) = Driver::bind(&cfg).await?;
     let (ev_tx, ev_rx) = mpsc::channel(cfg.event_capacity);
-    let driver = Driver {
-        hub: Hub::new(cfg.hub.clone(), cfg.seed),
-        max_segments: state.max_gso_segments().max(1),
-        socket,
-        state,
-        cmd_rx,
-        ev_tx,
-        batch: Vec::with_capacity(MAX_GSO_BYTES),
-        scratch: Vec::with_capacity(MAX_GSO_BYTES),
-        scratch_dest: None,
-        recv_buf: vec![0; RECV_BUFFERS * RECV_BUFFER_BYTES],
-        shutdown: false,
-        failures: VecDeque::new(),
-        stats: EndpointStats::default(),
-        inject_loss: cfg.inject_loss,
-        rng: cfg.seed | 1,
-    };
-    debug!(%local, gso = driver.max_segments, gro = driver.state.gro_segments(), "CultNet endpoint bound");
-    let task = tokio::spawn(driver.run());
+    let local = driver.local;
+    let task = tokio::spawn(driver.run(ev_tx));
     Ok((EndpointHandle { tx: cmd_tx, local }, ev_rx, task))
+}
+
+/// An endpoint its owner drives, in the owner's task (see the module docs). Each round:
+/// await [`ready`](Self::ready) (alongside whatever else the owner waits for), [`pump`](Self::pump),
+/// take every [`poll_event`](Self::poll_event), answer through [`send`](Self::send) and the
+/// other verbs, then [`flush`](Self::flush).
+///
+/// Unlike a spawned endpoint, dropping every [`EndpointHandle`] does not stop it; the owner
+/// decides (and [`EndpointHandle::shutdown`] makes `pump` return false).
+#[derive(Debug)]
+pub struct Endpoint {
+    driver: Driver,
+    tx: mpsc::Sender<Command>,
+}
+
+impl Endpoint {
+    /// Binds the socket.
+    pub async fn bind(cfg: EndpointConfig) -> Result<Self, EndpointError> {
+        let (driver, tx) = Driver::bind(&cfg).await?;
+        Ok(Self { driver, tx })
+    }
+
+    /// A handle for other tasks (their commands are taken at the next [`pump`](Self::pump)).
+    pub fn handle(&self) -> EndpointHandle {
+        EndpointHandle {
+            tx: self.tx.clone(),
+            local: self.driver.local,
+        }
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.driver.local
+    }
+
+    /// Waits until there is work: a datagram, a command or a due timer. Cancel-safe (nothing
+    /// is lost when another branch of a `select!` wins).
+    pub async fn ready(&mut self) {
+        self.driver.ready().await;
+    }
+
+    /// Takes the commands waiting, reads every datagram waiting and runs due timers; false
+    /// once [`EndpointHandle::shutdown`] was called.
+    pub fn pump(&mut self) -> bool {
+        self.driver.pump();
+        !self.driver.shutdown
+    }
+
+    /// The next event: refused sends and verdicts first, then the hub's.
+    pub fn poll_event(&mut self) -> Option<EndpointEvent> {
+        self.driver.poll_event()
+    }
+
+    /// Queues a frame on `channel`; a refusal comes back as [`EndpointEvent::SendFailed`].
+    pub fn send(&mut self, peer: SocketAddr, channel: &'static str, payload: Bytes) {
+        self.driver.command(
+            Instant::now().into_std(),
+            Command::Send {
+                peer,
+                channel,
+                payload,
+            },
+        );
+    }
+
+    /// Accepts a Connect (see [`Hub::accept`]); one not applied comes back as
+    /// [`EndpointEvent::AcceptNotApplied`].
+    pub fn accept(&mut self, req: ConnectRequest) {
+        self.driver
+            .command(Instant::now().into_std(), Command::Accept(req));
+    }
+
+    /// Refuses a Connect, with a reason the client will see.
+    pub fn refuse(&mut self, req: ConnectRequest, reason: &str) {
+        self.driver.command(
+            Instant::now().into_std(),
+            Command::Refuse(req, reason.to_owned()),
+        );
+    }
+
+    /// Closes a session.
+    pub fn disconnect(&mut self, peer: SocketAddr, reason: &str) {
+        self.driver.command(
+            Instant::now().into_std(),
+            Command::Disconnect(peer, reason.to_owned()),
+        );
+    }
+
+    /// Sends everything queued.
+    pub async fn flush(&mut self) {
+        self.driver.flush(Instant::now().into_std()).await;
+    }
 }
 
 struct Driver {
     hub: Hub,
     socket: UdpSocket,
     state: UdpSocketState,
+    local: SocketAddr,
     max_segments: usize,
     cmd_rx: mpsc::Receiver<Command>,
-    ev_tx: mpsc::Sender<EndpointEvent>,
+    /// Wakes [`Driver::ready`] at the hub's next timer.
+    sleep: Pin<Box<Sleep>>,
     /// The GSO batch being built.
     batch: Vec<u8>,
     /// One datagram polled from the hub that did not fit the previous batch.
@@ -275,49 +352,106 @@ struct Driver {
     rng: u64,
 }
 
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("local", &self.local)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Driver {
-    async fn run(mut self) {
-        let sleep = tokio::time::sleep(std::time::Duration::from_secs(3600));
-        tokio::pin!(sleep);
+    async fn bind(cfg: &EndpointConfig) -> Result<(Self, mpsc::Sender<Command>), EndpointError> {
+        let bind_err = |source| EndpointError::Bind {
+            addr: cfg.bind,
+            source,
+        };
+        let socket = UdpSocket::bind(cfg.bind).await.map_err(bind_err)?;
+        let state = UdpSocketState::new((&socket).into()).map_err(bind_err)?;
+        let local = socket.local_addr().map_err(bind_err)?;
+        let (cmd_tx, cmd_rx) = mpsc::channel(cfg.command_capacity);
+        let driver = Driver {
+            hub: Hub::new(cfg.hub.clone(), cfg.seed),
+            max_segments: state.max_gso_segments().max(1),
+            socket,
+            state,
+            local,
+            cmd_rx,
+            sleep: Box::pin(tokio::time::sleep(std::time::Duration::from_secs(3600))),
+            batch: Vec::with_capacity(MAX_GSO_BYTES),
+            scratch: Vec::with_capacity(MAX_GSO_BYTES),
+            scratch_dest: None,
+            recv_buf: vec![0; RECV_BUFFERS * RECV_BUFFER_BYTES],
+            shutdown: false,
+            failures: VecDeque::new(),
+            stats: EndpointStats::default(),
+            inject_loss: cfg.inject_loss,
+            rng: cfg.seed | 1,
+        };
+        debug!(%local, gso = driver.max_segments, gro = driver.state.gro_segments(), "CultNet endpoint bound");
+        Ok((driver, cmd_tx))
+    }
+
+    /// The spawned endpoint's task.
+    async fn run(mut self, ev_tx: mpsc::Sender<EndpointEvent>) {
         loop {
-            let now = Instant::now().into_std();
-            for _ in 0..COMMANDS_PER_TURN {
-                match self.cmd_rx.try_recv() {
-                    Ok(c) => self.command(now, c),
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        self.shutdown = true;
-                        break;
-                    }
-                }
-            }
-            self.receive(now);
-            let now = Instant::now().into_std();
-            if self.hub.poll_timeout().is_some_and(|t| t <= now) {
-                self.hub.handle_timeout(now);
-            }
-            self.flush(now).await;
-            if !self.deliver_events().await || self.shutdown {
+            self.pump();
+            self.flush(Instant::now().into_std()).await;
+            if !self.deliver_events(&ev_tx).await || self.shutdown {
                 return;
             }
-            let deadline = self.hub.poll_timeout().map(Instant::from_std);
-            if let Some(d) = deadline {
-                sleep.as_mut().reset(d);
-            }
-            tokio::select! {
-                biased;
-                c = self.cmd_rx.recv() => match c {
-                    Some(c) => self.command(Instant::now().into_std(), c),
-                    None => self.shutdown = true,
-                },
-                r = self.socket.readable() => {
-                    if let Err(e) = r {
-                        warn!(error = %e, "CultNet socket not readable");
-                    }
+            self.ready().await;
+        }
+    }
+
+    /// Commands waiting, datagrams waiting, due timers.
+    fn pump(&mut self) {
+        let now = Instant::now().into_std();
+        for _ in 0..COMMANDS_PER_TURN {
+            match self.cmd_rx.try_recv() {
+                Ok(c) => self.command(now, c),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.shutdown = true;
+                    break;
                 }
-                _ = &mut sleep, if deadline.is_some() => {}
             }
         }
+        self.receive(now);
+        let now = Instant::now().into_std();
+        if self.hub.poll_timeout().is_some_and(|t| t <= now) {
+            self.hub.handle_timeout(now);
+        }
+    }
+
+    /// Waits for a command (taken at once), a readable socket or the next timer.
+    async fn ready(&mut self) {
+        let deadline = self.hub.poll_timeout().map(Instant::from_std);
+        if let Some(d) = deadline {
+            self.sleep.as_mut().reset(d);
+        }
+        tokio::select! {
+            biased;
+            c = self.cmd_rx.recv() => match c {
+                Some(c) => self.command(Instant::now().into_std(), c),
+                None => self.shutdown = true,
+            },
+            r = self.socket.readable() => {
+                if let Err(e) = r {
+                    warn!(error = %e, "CultNet socket not readable");
+                }
+            }
+            _ = &mut self.sleep, if deadline.is_some() => {}
+        }
+    }
+
+    /// Refused sends and verdicts first (so an owner never sees a later Connect's events
+    /// before them), then the hub's events.
+    fn poll_event(&mut self) -> Option<EndpointEvent> {
+        self.failures
+            .pop_front()
+            .or_else(|| self.hub.poll_event().map(EndpointEvent::Hub))
     }
 
     fn command(&mut self, now: std::time::Instant, c: Command) {
@@ -486,15 +620,10 @@ impl Driver {
         (self.rng >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// Moves hub events to the owner, waiting for room; false once the owner is gone.
-    async fn deliver_events(&mut self) -> bool {
-        while let Some(ev) = self.failures.pop_front() {
-            if self.ev_tx.send(ev).await.is_err() {
-                return false;
-            }
-        }
-        while let Some(ev) = self.hub.poll_event() {
-            if self.ev_tx.send(EndpointEvent::Hub(ev)).await.is_err() {
+    /// Moves events to the owner, waiting for room; false once the owner is gone.
+    async fn deliver_events(&mut self, ev_tx: &mpsc::Sender<EndpointEvent>) -> bool {
+        while let Some(ev) = self.poll_event() {
+            if ev_tx.send(ev).await.is_err() {
                 return false;
             }
         }

@@ -20,9 +20,10 @@
 //! homeserver does not hold other clients up.
 //!
 //! # Under load and attack
-//! - [`start`] runs the endpoint's socket task and the service loop on a thread of their own,
-//!   so sled's blocking calls never stall the runtime that runs the ears, mouths and turns, and
-//!   the hops between socket and service stay on one thread.
+//! - [`start`] runs the service loop on a thread of its own, so sled's blocking calls never
+//!   stall the runtime that runs the ears, mouths and turns. The loop drives the endpoint (its
+//!   socket and hub) itself: a request is read, answered and its answer sent in one task, with
+//!   no hop between tasks.
 //! - Acks are group-committed: the loop takes every event waiting, applies the acks, flushes
 //!   the inbox once, and only then answers them ([`Answer::AfterFlush`]).
 //! - Each authenticated client has a budget ([`ClientLimits`]): requests per second (a token
@@ -38,7 +39,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use ed25519_dalek::VerifyingKey;
@@ -54,7 +54,7 @@ use wire::session::Frame;
 
 use crate::config::{Client, Verb};
 use crate::ear::{EarStats, Signals};
-use crate::endpoint::{EndpointEvent, EndpointHandle};
+use crate::endpoint::{Endpoint, EndpointEvent, EndpointHandle};
 use crate::inbox::Inbox;
 use crate::mouth::Mouth;
 
@@ -1127,17 +1127,44 @@ pub enum Remote {
 /// Where a peer's answers go.
 #[derive(Clone, Debug)]
 enum Sink {
-    Rudp(EndpointHandle, SocketAddr),
+    Rudp(SocketAddr),
     Quic(mpsc::Sender<Bytes>),
 }
 
 impl Sink {
+    /// Sends from the service loop (an RUDP answer goes straight into the endpoint's queue).
+    async fn send(&self, endpoint: &mut Endpoint, bytes: Bytes) {
+        match self {
+            Sink::Rudp(peer) => endpoint.send(*peer, CHANNEL, bytes),
+            Sink::Quic(out) => {
+                let _ = out.send(bytes).await;
+            }
+        }
+    }
+
+    /// The same sink for a task of its own (an RUDP answer goes through a handle).
+    fn detach(&self, endpoint: &Endpoint) -> TaskSink {
+        match self {
+            Sink::Rudp(peer) => TaskSink::Rudp(endpoint.handle(), *peer),
+            Sink::Quic(out) => TaskSink::Quic(out.clone()),
+        }
+    }
+}
+
+/// Where an answer computed on a task of its own (a send, a verb) goes.
+#[derive(Debug)]
+enum TaskSink {
+    Rudp(EndpointHandle, SocketAddr),
+    Quic(mpsc::Sender<Bytes>),
+}
+
+impl TaskSink {
     async fn send(&self, bytes: Bytes) {
         match self {
-            Sink::Rudp(endpoint, peer) => {
+            TaskSink::Rudp(endpoint, peer) => {
                 let _ = endpoint.send(*peer, CHANNEL, bytes).await;
             }
-            Sink::Quic(out) => {
+            TaskSink::Quic(out) => {
                 let _ = out.send(bytes).await;
             }
         }
@@ -1145,13 +1172,8 @@ impl Sink {
 }
 
 /// Runs the service over an endpoint until `stop` turns true.
-pub async fn serve(
-    service: Service,
-    endpoint: EndpointHandle,
-    events: mpsc::Receiver<EndpointEvent>,
-    stop: watch::Receiver<bool>,
-) {
-    serve_with(service, endpoint, events, None, stop).await;
+pub async fn serve(service: Service, endpoint: Endpoint, stop: watch::Receiver<bool>) {
+    serve_with(service, endpoint, None, stop).await;
 }
 
 /// The configured clients by agent id with their pinned keys (a key that is not an ed25519 key
@@ -1204,22 +1226,24 @@ impl Service {
 /// [`serve`], plus the peers of the QUIC side when `remote` is given.
 pub async fn serve_with(
     service: Service,
-    endpoint: EndpointHandle,
-    events: mpsc::Receiver<EndpointEvent>,
+    endpoint: Endpoint,
     remote: Option<mpsc::Receiver<Remote>>,
     stop: watch::Receiver<bool>,
 ) {
-    serve_updating(service, endpoint, events, remote, None, stop).await;
+    serve_updating(service, endpoint, remote, None, stop).await;
 }
 
-/// Events the loop takes in one batch at most (their acks share one flush).
+/// QUIC events the loop takes in one batch at most (their acks share one flush).
 const BATCH: usize = 256;
 
 /// [`serve_with`], taking [`Update`]s (a reloaded config) while it runs.
+///
+/// The loop drives the endpoint itself: each round takes every datagram waiting, answers what
+/// can be answered at once, flushes the inbox once for all the acks among them (group commit),
+/// then queues the answers and sends them, all without a hop to another task.
 pub async fn serve_updating(
     mut service: Service,
-    endpoint: EndpointHandle,
-    mut events: mpsc::Receiver<EndpointEvent>,
+    mut endpoint: Endpoint,
     mut remote: Option<mpsc::Receiver<Remote>>,
     mut updates: Option<mpsc::Receiver<Update>>,
     mut stop: watch::Receiver<bool>,
@@ -1231,7 +1255,7 @@ pub async fn serve_updating(
     let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
     let mut quic: HashMap<SocketAddr, mpsc::Sender<Bytes>> = HashMap::new();
     let mut out: Vec<(Sink, Answer)> = Vec::new();
-    'serve: loop {
+    loop {
         let from_quic = async {
             match remote.as_mut() {
                 Some(rx) => rx.recv().await,
@@ -1245,12 +1269,7 @@ pub async fn serve_updating(
             }
         };
         tokio::select! {
-            e = events.recv() => {
-                let Some(e) = e else { break };
-                if !endpoint_event(&mut service, &endpoint, e, &mut out).await {
-                    break;
-                }
-            }
+            () = endpoint.ready() => {}
             u = update => {
                 match u {
                     Some(u) => service.update(u),
@@ -1266,16 +1285,12 @@ pub async fn serve_updating(
             }
             _ = stop.changed() => break,
         };
-        // Whatever else is waiting joins this batch: its acks share one flush.
-        for _ in 0..BATCH {
-            match events.try_recv() {
-                Ok(e) => {
-                    if !endpoint_event(&mut service, &endpoint, e, &mut out).await {
-                        break 'serve;
-                    }
-                }
-                Err(_) => break,
-            }
+        if !endpoint.pump() {
+            break;
+        }
+        // Everything waiting joins this round: its acks share one flush.
+        while let Some(e) = endpoint.poll_event() {
+            endpoint_event(&mut service, &mut endpoint, e, &mut out);
         }
         if let Some(rx) = remote.as_mut() {
             for _ in 0..BATCH {
@@ -1291,6 +1306,7 @@ pub async fn serve_updating(
             run_answer(
                 &service.runtime_id,
                 &tasks,
+                &mut endpoint,
                 &sink,
                 &sends,
                 answer,
@@ -1298,23 +1314,22 @@ pub async fn serve_updating(
             )
             .await;
         }
+        endpoint.flush().await;
     }
     // Clients learn why their session ends (RUDP; QUIC connections close with the endpoint).
     for peer in service.peer_addrs() {
-        let _ = endpoint
-            .disconnect(peer, "the gateway is shutting down")
-            .await;
+        endpoint.disconnect(peer, "the gateway is shutting down");
     }
-    let _ = endpoint.shutdown().await;
+    endpoint.flush().await;
 }
 
-/// Takes one endpoint event; false when the endpoint is gone.
-async fn endpoint_event(
+/// Takes one endpoint event.
+fn endpoint_event(
     service: &mut Service,
-    endpoint: &EndpointHandle,
+    endpoint: &mut Endpoint,
     event: EndpointEvent,
     out: &mut Vec<(Sink, Answer)>,
-) -> bool {
+) {
     let event = match event {
         EndpointEvent::Hub(e) => e,
         EndpointEvent::SendFailed { peer, error } => {
@@ -1325,13 +1340,11 @@ async fn endpoint_event(
                 service.stats.cut_off += 1;
                 tracing::warn!(%peer, "CultNet client cut off: it does not read its answers");
                 service.forget(peer);
-                return endpoint
-                    .disconnect(peer, "too many answers unread (send queue full)")
-                    .await
-                    .is_ok();
+                endpoint.disconnect(peer, "too many answers unread (send queue full)");
+                return;
             }
             tracing::warn!(%peer, "answer not sent: {error}");
-            return true;
+            return;
         }
         EndpointEvent::AcceptNotApplied { peer, error } => {
             // Too late or no slot: no session was opened for the Connect `authenticate`
@@ -1342,20 +1355,19 @@ async fn endpoint_event(
             if matches!(error, HubError::Expired(_) | HubError::Full(_)) {
                 service.forget(peer);
             }
-            return true;
+            return;
         }
     };
     match event {
         HubEvent::ConnectRequest(req) => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-            let r = match service.authenticate(req.peer, &req.payload, now) {
-                Ok(_) => endpoint.accept(req).await,
-                Err(why) => endpoint.refuse(req, &why.to_string()).await,
-            };
-            return r.is_ok();
+            match service.authenticate(req.peer, &req.payload, now) {
+                Ok(_) => endpoint.accept(req),
+                Err(why) => endpoint.refuse(req, &why.to_string()),
+            }
         }
         HubEvent::Frame { peer, frame } => {
-            let sink = Sink::Rudp(endpoint.clone(), peer);
+            let sink = Sink::Rudp(peer);
             for answer in service.handle(peer, &frame) {
                 out.push((sink.clone(), answer));
             }
@@ -1366,7 +1378,6 @@ async fn endpoint_event(
         }
         HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
     }
-    true
 }
 
 fn remote_event(
@@ -1418,18 +1429,19 @@ fn remote_event(
 async fn run_answer(
     runtime_id: &str,
     tasks: &tokio::runtime::Handle,
+    endpoint: &mut Endpoint,
     sink: &Sink,
     sends: &Arc<tokio::sync::Semaphore>,
     answer: Answer,
     flushed: bool,
 ) {
     match answer {
-        Answer::Reply(bytes) => sink.send(bytes).await,
-        Answer::AfterFlush { ok, failed } => sink.send(if flushed { ok } else { failed }).await,
+        Answer::Reply(bytes) => sink.send(endpoint, bytes).await,
+        Answer::AfterFlush { ok, failed } => {
+            sink.send(endpoint, if flushed { ok } else { failed }).await;
+        }
         Answer::Disconnect(reason) => match sink {
-            Sink::Rudp(endpoint, peer) => {
-                let _ = endpoint.disconnect(*peer, &reason).await;
-            }
+            Sink::Rudp(peer) => endpoint.disconnect(*peer, &reason),
             Sink::Quic(_) => {} // Its sender was dropped with the peer.
         },
         Answer::Send {
@@ -1449,10 +1461,10 @@ async fn run_answer(
                     ..SendReceipt::default()
                 };
                 let bytes = receipt_bytes(runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
-                sink.send(bytes).await;
+                sink.send(endpoint, bytes).await;
                 return;
             };
-            let sink = sink.clone();
+            let sink = sink.detach(endpoint);
             let runtime_id = runtime_id.to_owned();
             tasks.spawn(async move {
                 let receipt = mouth.send(&request).await;
@@ -1468,7 +1480,7 @@ async fn run_answer(
             receipt,
             slot,
         } => {
-            let sink = sink.clone();
+            let sink = sink.detach(endpoint);
             let runtime_id = runtime_id.to_owned();
             tasks.spawn(async move {
                 let receipt = receipt.await.unwrap_or_else(|_| ControlReceipt {
@@ -1548,20 +1560,16 @@ pub async fn start(
             rt.block_on(async move {
                 let mut cfg = crate::endpoint::EndpointConfig::new(bind, seed);
                 cfg.hub = hub_config();
-                match crate::endpoint::spawn(cfg).await {
-                    Ok((endpoint, events, task)) => {
-                        let _ = ready_tx.send(Ok(endpoint.clone()));
-                        // A task of its own, not the block_on future: a wake-up from the
-                        // endpoint task then finds it queued, where a woken block_on future
-                        // costs the runtime an extra non-blocking epoll_wait per request.
-                        let serving = tokio::spawn(serve_updating(
-                            service, endpoint, events, remote, updates, stop,
-                        ));
+                match Endpoint::bind(cfg).await {
+                    Ok(endpoint) => {
+                        let _ = ready_tx.send(Ok(endpoint.handle()));
+                        // A task of its own, not the block_on future: a block_on future woken
+                        // by I/O costs the runtime an extra non-blocking epoll_wait per round.
+                        let serving =
+                            tokio::spawn(serve_updating(service, endpoint, remote, updates, stop));
                         if let Err(e) = serving.await {
                             tracing::error!("CultNet service loop ended abnormally: {e}");
                         }
-                        // The endpoint sends its goodbyes before the thread's runtime ends.
-                        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));

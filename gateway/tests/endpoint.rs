@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use gateway::endpoint::{spawn, EndpointConfig, EndpointEvent, EndpointHandle};
+use gateway::endpoint::{spawn, Endpoint, EndpointConfig, EndpointEvent, EndpointHandle};
 use tokio::sync::mpsc::Receiver;
 use wire::error::{CloseReason, SendError};
 use wire::hub::{HubError, HubEvent};
@@ -163,4 +163,78 @@ async fn an_accept_that_comes_too_late_is_reported() {
         server.stats().await.unwrap().hub.sessions.packets_out == 0,
         "a session was opened"
     );
+}
+
+/// An endpoint its owner drives answers in the owner's own task (accept, echo, a refused
+/// send reported as an event), takes commands from its handles at each pump, and says when a
+/// handle asked it to shut down. Under 10% injected loss, so its timers (resends) must run.
+#[tokio::test]
+async fn an_owned_endpoint_answers_in_its_owners_task() {
+    let mut cfg = EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 7);
+    cfg.inject_loss = 0.1;
+    let mut server = Endpoint::bind(cfg).await.unwrap();
+    let handle = server.handle();
+    assert_eq!(handle.local_addr(), server.local_addr());
+    let saddr = server.local_addr();
+    let owner = tokio::spawn(async move {
+        let mut echoed = 0u32;
+        let mut refused = None;
+        loop {
+            tokio::time::timeout(Duration::from_secs(10), server.ready())
+                .await
+                .expect("the owned endpoint woke within 10 s");
+            let running = server.pump();
+            while let Some(e) = server.poll_event() {
+                match e {
+                    EndpointEvent::Hub(HubEvent::ConnectRequest(req)) => server.accept(req),
+                    EndpointEvent::Hub(HubEvent::Frame { peer, frame }) => {
+                        echoed += 1;
+                        server.send(peer, "schema", frame.payload);
+                    }
+                    EndpointEvent::SendFailed { peer, error } => refused = Some((peer, error)),
+                    _ => {}
+                }
+            }
+            server.flush().await;
+            if !running {
+                return (echoed, refused);
+            }
+        }
+    });
+    let (client, mut crx) = endpoint(8, 0.1).await;
+    client
+        .connect(saddr, Bytes::from_static(b"creds"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        next_hub(&mut crx).await,
+        HubEvent::Connected { .. }
+    ));
+    for i in 0..500u32 {
+        client
+            .send(saddr, "schema", Bytes::from(i.to_be_bytes().to_vec()))
+            .await
+            .unwrap();
+    }
+    for i in 0..500u32 {
+        let HubEvent::Frame { frame, .. } = next_hub(&mut crx).await else {
+            panic!("a frame")
+        };
+        assert_eq!(&frame.payload[..], &i.to_be_bytes(), "echo {i}");
+    }
+    // A handle's command is taken at the next pump: a send to nobody comes back refused.
+    let nobody: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+    handle
+        .send(nobody, "schema", Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    handle.shutdown().await.unwrap();
+    let (echoed, refused) = tokio::time::timeout(Duration::from_secs(10), owner)
+        .await
+        .expect("the owner saw the shutdown")
+        .unwrap();
+    assert_eq!(echoed, 500);
+    let (peer, error) = refused.expect("the send to nobody was reported");
+    assert_eq!(peer, nobody);
+    assert!(matches!(error, SendError::UnknownPeer), "{error:?}");
 }

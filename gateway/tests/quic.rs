@@ -8,7 +8,7 @@ use std::time::Duration;
 use ed25519_dalek::SigningKey;
 use gateway::client::{ClientError, QuicClient};
 use gateway::config::{Client as ClientConfig, Verb};
-use gateway::endpoint::{spawn, EndpointConfig};
+use gateway::endpoint::{Endpoint, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::quic;
 use gateway::service::{serve_with, Port, Service};
@@ -51,7 +51,7 @@ async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::
         &clients,
         ports,
     );
-    let (endpoint, events, _) = spawn(EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 1))
+    let endpoint = Endpoint::bind(EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 1))
         .await
         .unwrap();
     let server = quic::server(
@@ -64,7 +64,7 @@ async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::
     let (_stop_tx, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(quic::accept(server, tx, stop.clone()));
     tokio::spawn(async move {
-        serve_with(service, endpoint, events, Some(rx), stop).await;
+        serve_with(service, endpoint, Some(rx), stop).await;
         drop(_stop_tx);
     });
     (addr, quic::identity(None, None, dir).unwrap())

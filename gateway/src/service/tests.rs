@@ -664,7 +664,7 @@ fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
 #[tokio::test]
 async fn a_verdict_that_opened_no_session_leaves_no_peer_behind() {
     let mut f = fixture("not-applied");
-    let (ep, _events, _task) = crate::endpoint::spawn(crate::endpoint::EndpointConfig::new(
+    let mut ep = crate::endpoint::Endpoint::bind(crate::endpoint::EndpointConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         5,
     ))
@@ -683,7 +683,7 @@ async fn a_verdict_that_opened_no_session_leaves_no_peer_behind() {
             peer: peer(n),
             error,
         };
-        assert!(endpoint_event(&mut f.svc, &ep, event, &mut out).await);
+        endpoint_event(&mut f.svc, &mut ep, event, &mut out);
         assert_eq!(f.svc.peer_addrs().contains(&peer(n)), kept, "peer {n}");
     }
     assert!(out.is_empty());
