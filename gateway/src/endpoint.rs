@@ -323,6 +323,11 @@ impl Endpoint {
         );
     }
 
+    /// Whether a session with `peer` is open.
+    pub fn has_session(&self, peer: SocketAddr) -> bool {
+        self.driver.hub.session(peer).is_some()
+    }
+
     /// Sends everything queued.
     pub async fn flush(&mut self) {
         self.driver.flush(Instant::now().into_std()).await;

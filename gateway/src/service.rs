@@ -1361,9 +1361,18 @@ fn endpoint_event(
     match event {
         HubEvent::ConnectRequest(req) => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
-            match service.authenticate(req.peer, &req.payload, now) {
+            let peer = req.peer;
+            match service.authenticate(peer, &req.payload, now) {
                 Ok(_) => endpoint.accept(req),
-                Err(why) => endpoint.refuse(req, &why.to_string()),
+                Err(why) => {
+                    endpoint.refuse(req, &why.to_string());
+                    // An earlier Connect from this address may have left a record whose accept
+                    // this one superseded; with no session open, nothing else will remove it.
+                    // (Verdicts are applied as they are made, so none is outstanding.)
+                    if !endpoint.has_session(peer) {
+                        service.forget(peer);
+                    }
+                }
             }
         }
         HubEvent::Frame { peer, frame } => {

@@ -1,4 +1,5 @@
 use std::sync::Arc;
+use std::time::Duration;
 
 use ed25519_dalek::SigningKey;
 use wire::docs::{
@@ -687,4 +688,67 @@ async fn a_verdict_that_opened_no_session_leaves_no_peer_behind() {
         assert_eq!(f.svc.peer_addrs().contains(&peer(n)), kept, "peer {n}");
     }
     assert!(out.is_empty());
+}
+
+/// Two Connects from one address in one read, the first valid and the second signed with the
+/// wrong key (a newer Connect, so the first's accept is superseded, and the second is refused):
+/// no session opens, and no record of a peer stays behind (the status counts only the real
+/// client).
+#[tokio::test]
+async fn a_superseded_connect_whose_successor_is_refused_leaves_no_peer() {
+    let f = fixture("superseded-refused");
+    let endpoint = Endpoint::bind(crate::endpoint::EndpointConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        9,
+    ))
+    .await
+    .unwrap();
+    let server = endpoint.local_addr();
+    let (stop_tx, stop) = watch::channel(false);
+    let serving = tokio::spawn(serve(f.svc, endpoint, stop));
+
+    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let good = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, "first");
+    let forged = ConnectPayload::sign(&key(3), GATEWAY_CONNECTION_ID, "organ", now, "second");
+    let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    for (sequence, payload) in [(100, good.encode()), (200, forged.encode())] {
+        let mut datagram = Vec::new();
+        wire::packet::Packet {
+            ptype: wire::packet::PacketType::Connect,
+            flags: wire::packet::Flags(wire::packet::Flags::RELIABLE),
+            connection_id: GATEWAY_CONNECTION_ID,
+            sequence,
+            ack: 0,
+            ack_mask: 0,
+            fragment: wire::packet::Fragment::default(),
+            channel: "control",
+            payload: &payload,
+        }
+        .encode(&mut datagram)
+        .unwrap();
+        // Sent before this task yields, so the service reads both in one pump.
+        raw.send_to(&datagram, server).unwrap();
+    }
+    let mut buf = [0u8; 2048];
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let raw = tokio::task::spawn_blocking(move || raw.recv(&mut buf).map(|n| buf[..n].to_vec()));
+
+    let mut c =
+        crate::client::Client::connect(server, "heartbeat", &key(2), Duration::from_secs(10))
+            .await
+            .unwrap();
+    let reply = raw.await.unwrap().expect("the replay was answered");
+    let reply = wire::packet::Packet::decode(&reply).unwrap();
+    assert_eq!(
+        reply.ptype,
+        wire::packet::PacketType::Disconnect,
+        "{reply:?}"
+    );
+    let s: GatewayStatus = c
+        .request(ids::STATUS_REQUEST, "s", &StatusRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(s.peers, 1, "only the heartbeat is a peer");
+    stop_tx.send(true).unwrap();
+    serving.await.unwrap();
 }
