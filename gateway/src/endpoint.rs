@@ -270,8 +270,8 @@ impl Endpoint {
         self.driver.local
     }
 
-    /// Waits until there is work: a datagram, a command or a due timer. Cancel-safe (nothing
-    /// is lost when another branch of a `select!` wins).
+    /// Waits until there is work: a datagram, a command, a due timer, or an event not yet
+    /// taken. Cancel-safe (nothing is lost when another branch of a `select!` wins).
     pub async fn ready(&mut self) {
         self.driver.ready().await;
     }
@@ -430,8 +430,12 @@ impl Driver {
         }
     }
 
-    /// Waits for a command (taken at once), a readable socket or the next timer.
+    /// Waits for a command (taken at once), a readable socket or the next timer; returns at
+    /// once while events wait (an owner's own calls, such as a refused send, make some).
     async fn ready(&mut self) {
+        if !self.failures.is_empty() || self.hub.has_events() {
+            return;
+        }
         let deadline = self.hub.poll_timeout().map(Instant::from_std);
         if let Some(d) = deadline {
             self.sleep.as_mut().reset(d);

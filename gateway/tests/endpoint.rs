@@ -238,3 +238,24 @@ async fn an_owned_endpoint_answers_in_its_owners_task() {
     assert_eq!(peer, nobody);
     assert!(matches!(error, SendError::UnknownPeer), "{error:?}");
 }
+
+/// An event its owner's own call made (a send to no session) wakes `ready` at once: the owner
+/// sees it without waiting for the next datagram or timer.
+#[tokio::test]
+async fn an_owned_endpoint_is_ready_while_an_event_waits() {
+    let mut ep = Endpoint::bind(EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 9))
+        .await
+        .unwrap();
+    let nobody: std::net::SocketAddr = "127.0.0.1:9".parse().unwrap();
+    ep.send(nobody, "schema", Bytes::from_static(b"x"));
+    tokio::time::timeout(Duration::from_secs(2), ep.ready())
+        .await
+        .expect("ready returned while the refused send waited");
+    assert!(ep.pump());
+    assert!(matches!(
+        ep.poll_event(),
+        Some(EndpointEvent::SendFailed { peer, error: SendError::UnknownPeer }) if peer == nobody
+    ));
+    assert!(ep.poll_event().is_none());
+    assert!(!ep.has_session(nobody));
+}

@@ -426,6 +426,11 @@ impl Hub {
         None
     }
 
+    /// Whether an event is waiting for [`poll_event`](Self::poll_event).
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     /// The next event, if any.
     pub fn poll_event(&mut self) -> Option<HubEvent> {
         self.events.pop_front()
