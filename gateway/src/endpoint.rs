@@ -290,37 +290,24 @@ impl Endpoint {
 
     /// Queues a frame on `channel`; a refusal comes back as [`EndpointEvent::SendFailed`].
     pub fn send(&mut self, peer: SocketAddr, channel: &'static str, payload: Bytes) {
-        self.driver.command(
-            Instant::now().into_std(),
-            Command::Send {
-                peer,
-                channel,
-                payload,
-            },
-        );
+        self.driver
+            .send(Instant::now().into_std(), peer, channel, payload);
     }
 
     /// Accepts a Connect (see [`Hub::accept`]); one not applied comes back as
     /// [`EndpointEvent::AcceptNotApplied`].
     pub fn accept(&mut self, req: ConnectRequest) {
-        self.driver
-            .command(Instant::now().into_std(), Command::Accept(req));
+        self.driver.accept(Instant::now().into_std(), &req);
     }
 
     /// Refuses a Connect, with a reason the client will see.
     pub fn refuse(&mut self, req: ConnectRequest, reason: &str) {
-        self.driver.command(
-            Instant::now().into_std(),
-            Command::Refuse(req, reason.to_owned()),
-        );
+        self.driver.refuse(&req, reason);
     }
 
     /// Closes a session.
     pub fn disconnect(&mut self, peer: SocketAddr, reason: &str) {
-        self.driver.command(
-            Instant::now().into_std(),
-            Command::Disconnect(peer, reason.to_owned()),
-        );
+        self.driver.hub.disconnect(peer, reason);
     }
 
     /// Whether a session with `peer` is open.
@@ -437,7 +424,8 @@ impl Driver {
             return;
         }
         let deadline = self.hub.poll_timeout().map(Instant::from_std);
-        if let Some(d) = deadline {
+        if let Some(d) = deadline.filter(|&d| d != self.sleep.deadline()) {
+            // Only when it moved: a reset takes the timer out of tokio's wheel and back in.
             self.sleep.as_mut().reset(d);
         }
         tokio::select! {
@@ -463,34 +451,48 @@ impl Driver {
             .or_else(|| self.hub.poll_event().map(EndpointEvent::Hub))
     }
 
+    /// Queues a frame; a refusal is reported as an event.
+    fn send(
+        &mut self,
+        now: std::time::Instant,
+        peer: SocketAddr,
+        channel: &'static str,
+        payload: Bytes,
+    ) {
+        if let Err(error) = self.hub.send(now, peer, channel, payload) {
+            self.failures
+                .push_back(EndpointEvent::SendFailed { peer, error });
+        }
+    }
+
+    /// Applies an accept; one not applied is reported as an event.
+    fn accept(&mut self, now: std::time::Instant, req: &ConnectRequest) {
+        if let Err(error) = self.hub.accept(now, req) {
+            debug!(peer = %req.peer, %error, "accept not applied");
+            // Reported before any event of a later Connect from that peer (failures go out
+            // first), so the owner never forgets a newer peer's record.
+            self.failures.push_back(EndpointEvent::AcceptNotApplied {
+                peer: req.peer,
+                error,
+            });
+        }
+    }
+
+    fn refuse(&mut self, req: &ConnectRequest, reason: &str) {
+        if let Err(e) = self.hub.refuse(req, reason) {
+            debug!(peer = %req.peer, error = %e, "refusal not sent");
+        }
+    }
+
     fn command(&mut self, now: std::time::Instant, c: Command) {
         match c {
             Command::Send {
                 peer,
                 channel,
                 payload,
-            } => {
-                if let Err(error) = self.hub.send(now, peer, channel, payload) {
-                    self.failures
-                        .push_back(EndpointEvent::SendFailed { peer, error });
-                }
-            }
-            Command::Accept(req) => {
-                if let Err(error) = self.hub.accept(now, &req) {
-                    debug!(peer = %req.peer, %error, "accept not applied");
-                    // Reported before any event of a later Connect from that peer (failures
-                    // go out first), so the owner never forgets a newer peer's record.
-                    self.failures.push_back(EndpointEvent::AcceptNotApplied {
-                        peer: req.peer,
-                        error,
-                    });
-                }
-            }
-            Command::Refuse(req, reason) => {
-                if let Err(e) = self.hub.refuse(&req, &reason) {
-                    debug!(peer = %req.peer, error = %e, "refusal not sent");
-                }
-            }
+            } => self.send(now, peer, channel, payload),
+            Command::Accept(req) => self.accept(now, &req),
+            Command::Refuse(req, reason) => self.refuse(&req, &reason),
             Command::Connect(peer, payload) => self.hub.connect(now, peer, payload),
             Command::Disconnect(peer, reason) => self.hub.disconnect(peer, &reason),
             Command::Ping(peer, payload) => {
