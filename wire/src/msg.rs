@@ -725,8 +725,12 @@ mod tests {
             }
             bytes.extend(tail);
             proptest::prop_assert_eq!(Message::decode(&bytes), Message::decode_checked(&bytes));
-            let whole = value_len(&bytes) == Some(bytes.len());
-            proptest::prop_assert_eq!(whole, read_one_ref(&bytes).is_ok());
+            // What `value_len` measures whole, the checked reader reads. Not the converse: the
+            // reserved marker 0xc1 is refused by `value_len` and read as nil by rmpv (a
+            // message holding one takes the checked path; the agreement above covers it).
+            if value_len(&bytes) == Some(bytes.len()) {
+                proptest::prop_assert!(read_one_ref(&bytes).is_ok());
+            }
             if let Ok(Message::DocumentPutRaw(p)) = Message::decode(&bytes) {
                 let fast = p.document.payload_as::<crate::docs::GatewayStatus>();
                 let slow = read_one_ref(&p.document.payload)
