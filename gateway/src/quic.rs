@@ -29,7 +29,7 @@ use quinn::rustls;
 use quinn::rustls::pki_types::pem::PemObject;
 use quinn::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use wire::msg::FrameDecoder;
 
 use crate::service::Remote;
@@ -48,6 +48,9 @@ pub const CONNECT_WAIT: Duration = Duration::from_secs(3);
 pub const MAX_UNAUTHENTICATED: usize = 64;
 /// Authenticated connections, at most; more are refused.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Answers queued for one connection while its stream is blocked (the client not reading);
+/// past them the client is cut off, as an RUDP client with a full send queue is.
+pub const ANSWER_QUEUE: usize = 256;
 /// Bytes a client may have in flight towards the gateway, per stream and per connection.
 pub const RECEIVE_WINDOW: u32 = 256 * 1024;
 
@@ -263,13 +266,15 @@ async fn connection(
             return Err(e);
         }
     };
-    let (out, mut outgoing) = mpsc::channel::<Bytes>(256);
+    let (out, mut outgoing) = mpsc::channel::<Bytes>(ANSWER_QUEUE);
+    let cut = Arc::new(Notify::new());
     let (verdict, refused) = oneshot::channel();
     remote
         .send(Remote::Connect {
             peer,
             payload,
             out,
+            cut: cut.clone(),
             verdict,
         })
         .await?;
@@ -280,18 +285,15 @@ async fn connection(
     drop(pre_auth);
     frames.set_max(MAX_FRAME);
     let closing = conn.clone();
+    let bell = cut.clone();
     let writer = tokio::spawn(async move {
-        while let Some(bytes) = outgoing.recv().await {
-            let Ok(framed) = wire::msg::frame(&bytes, MAX_FRAME) else {
-                tracing::warn!(%peer, len = bytes.len(), "answer too large for a QUIC frame");
-                continue;
-            };
-            if send.write_all(&framed).await.is_err() {
-                return;
-            }
-        }
-        // The service let go of this peer (it broke its limits).
-        closing.close(2u32.into(), b"closed by the gateway: limits exceeded");
+        let why: &[u8] = tokio::select! {
+            // The service let go of this peer (it broke its limits).
+            () = write_answers(&mut send, &mut outgoing, peer) => b"closed by the gateway: limits exceeded",
+            // Its answers piled up unread (the writer is stuck on its flow control).
+            () = bell.notified() => b"closed by the gateway: too many answers unread",
+        };
+        closing.close(2u32.into(), why);
     });
     let ended = loop {
         match next_frame(&mut recv, &mut frames, 64 * 1024).await {
@@ -304,9 +306,27 @@ async fn connection(
             Err(e) => break Err(e),
         }
     };
-    let _ = remote.send(Remote::Gone { peer }).await;
+    let _ = remote.send(Remote::Gone { peer, cut }).await;
     writer.abort();
     ended
+}
+
+/// Writes the service's answers to the stream until the service drops its sender or the
+/// stream fails.
+async fn write_answers(
+    send: &mut quinn::SendStream,
+    outgoing: &mut mpsc::Receiver<Bytes>,
+    peer: SocketAddr,
+) {
+    while let Some(bytes) = outgoing.recv().await {
+        let Ok(framed) = wire::msg::frame(&bytes, MAX_FRAME) else {
+            tracing::warn!(%peer, len = bytes.len(), "answer too large for a QUIC frame");
+            continue;
+        };
+        if send.write_all(&framed).await.is_err() {
+            return;
+        }
+    }
 }
 
 /// The next whole frame, or `None` at the end of the stream; reads at most `chunk` bytes at a

@@ -1107,6 +1107,8 @@ pub enum Remote {
         payload: Bytes,
         /// Where its answers go.
         out: mpsc::Sender<Bytes>,
+        /// Rung when the service cuts it off (its answers unread): the connection closes.
+        cut: Arc<tokio::sync::Notify>,
         /// `Ok` to go on, `Err(reason)` to close the connection.
         verdict: tokio::sync::oneshot::Sender<Result<(), String>>,
     },
@@ -1121,32 +1123,52 @@ pub enum Remote {
     Gone {
         /// The peer.
         peer: SocketAddr,
+        /// Its Connect's bell: which connection from that address ended (a newer one from the
+        /// same address may already be accepted; its record stays).
+        cut: Arc<tokio::sync::Notify>,
     },
 }
+
+/// An accepted QUIC peer: where its answers go, and how to close its connection.
+#[derive(Debug)]
+struct QuicPeer {
+    out: mpsc::Sender<Bytes>,
+    cut: Arc<tokio::sync::Notify>,
+}
+
+/// A QUIC peer whose answer queue is full: it does not read what it asked for.
+#[derive(Debug)]
+struct Unread(SocketAddr);
 
 /// Where a peer's answers go.
 #[derive(Clone, Debug)]
 enum Sink {
     Rudp(SocketAddr),
-    Quic(mpsc::Sender<Bytes>),
+    Quic(SocketAddr, mpsc::Sender<Bytes>, Arc<tokio::sync::Notify>),
 }
 
 impl Sink {
-    /// Sends from the service loop (an RUDP answer goes straight into the endpoint's queue).
-    async fn send(&self, endpoint: &mut Endpoint, bytes: Bytes) {
+    /// Sends from the service loop, never waiting: an RUDP answer goes straight into the
+    /// endpoint's queue (a full one is reported as an event), a QUIC answer into its
+    /// connection's queue; a full one is [`Unread`], and the loop cuts that peer off, so a
+    /// client that does not read cannot hold the loop (and everyone else) up.
+    fn send(&self, endpoint: &mut Endpoint, bytes: Bytes) -> Result<(), Unread> {
         match self {
             Sink::Rudp(peer) => endpoint.send(*peer, CHANNEL, bytes),
-            Sink::Quic(out) => {
-                let _ = out.send(bytes).await;
+            Sink::Quic(peer, out, _) => {
+                if let Err(mpsc::error::TrySendError::Full(_)) = out.try_send(bytes) {
+                    return Err(Unread(*peer));
+                }
             }
         }
+        Ok(())
     }
 
     /// The same sink for a task of its own (an RUDP answer goes through a handle).
     fn detach(&self, endpoint: &Endpoint) -> TaskSink {
         match self {
             Sink::Rudp(peer) => TaskSink::Rudp(endpoint.handle(), *peer),
-            Sink::Quic(out) => TaskSink::Quic(out.clone()),
+            Sink::Quic(peer, out, cut) => TaskSink::Quic(*peer, out.clone(), cut.clone()),
         }
     }
 }
@@ -1155,7 +1177,7 @@ impl Sink {
 #[derive(Debug)]
 enum TaskSink {
     Rudp(EndpointHandle, SocketAddr),
-    Quic(mpsc::Sender<Bytes>),
+    Quic(SocketAddr, mpsc::Sender<Bytes>, Arc<tokio::sync::Notify>),
 }
 
 impl TaskSink {
@@ -1164,8 +1186,13 @@ impl TaskSink {
             TaskSink::Rudp(endpoint, peer) => {
                 let _ = endpoint.send(*peer, CHANNEL, bytes).await;
             }
-            TaskSink::Quic(out) => {
-                let _ = out.send(bytes).await;
+            TaskSink::Quic(peer, out, cut) => {
+                // As in the loop: a full queue means a client that does not read; its
+                // connection closes (the loop forgets it when the connection reports its end).
+                if let Err(mpsc::error::TrySendError::Full(_)) = out.try_send(bytes) {
+                    tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
+                    cut.notify_one();
+                }
             }
         }
     }
@@ -1253,8 +1280,9 @@ pub async fn serve_updating(
         .clone()
         .unwrap_or_else(tokio::runtime::Handle::current);
     let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
-    let mut quic: HashMap<SocketAddr, mpsc::Sender<Bytes>> = HashMap::new();
+    let mut quic: HashMap<SocketAddr, QuicPeer> = HashMap::new();
     let mut out: Vec<(Sink, Answer)> = Vec::new();
+    let mut unread: Vec<SocketAddr> = Vec::new();
     loop {
         let from_quic = async {
             match remote.as_mut() {
@@ -1303,7 +1331,7 @@ pub async fn serve_updating(
             tracing::error!("CultNet: the inbox could not flush acks: {e}");
         }
         for (sink, answer) in out.drain(..) {
-            run_answer(
+            if let Err(Unread(peer)) = run_answer(
                 &service.runtime_id,
                 &tasks,
                 &mut endpoint,
@@ -1311,8 +1339,12 @@ pub async fn serve_updating(
                 &sends,
                 answer,
                 flushed.is_ok(),
-            )
-            .await;
+            ) {
+                unread.push(peer);
+            }
+        }
+        for peer in unread.drain(..) {
+            cut_off_quic(&mut service, &mut quic, peer);
         }
         endpoint.flush().await;
     }
@@ -1389,9 +1421,22 @@ fn endpoint_event(
     }
 }
 
+/// Cuts off a QUIC peer that does not read its answers, as an RUDP one with a full send queue
+/// is: forgotten, counted, and its connection closed with the reason.
+fn cut_off_quic(service: &mut Service, quic: &mut HashMap<SocketAddr, QuicPeer>, peer: SocketAddr) {
+    // Later answers of the same round find it gone already.
+    let Some(gone) = quic.remove(&peer) else {
+        return;
+    };
+    service.stats.cut_off += 1;
+    tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
+    service.forget(peer);
+    gone.cut.notify_one();
+}
+
 fn remote_event(
     service: &mut Service,
-    quic: &mut HashMap<SocketAddr, mpsc::Sender<Bytes>>,
+    quic: &mut HashMap<SocketAddr, QuicPeer>,
     event: Remote,
     out: &mut Vec<(Sink, Answer)>,
 ) {
@@ -1400,12 +1445,13 @@ fn remote_event(
             peer,
             payload,
             out: answers,
+            cut,
             verdict,
         } => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
             match service.authenticate(peer, &payload, now) {
                 Ok(_) => {
-                    quic.insert(peer, answers);
+                    quic.insert(peer, QuicPeer { out: answers, cut });
                     let _ = verdict.send(Ok(()));
                 }
                 Err(why) => {
@@ -1414,8 +1460,8 @@ fn remote_event(
             }
         }
         Remote::Frame { peer, payload } => {
-            let Some(tx) = quic.get(&peer) else { return };
-            let sink = Sink::Quic(tx.clone());
+            let Some(to) = quic.get(&peer) else { return };
+            let sink = Sink::Quic(peer, to.out.clone(), to.cut.clone());
             let frame = Frame {
                 channel: Arc::from(CHANNEL),
                 payload,
@@ -1428,14 +1474,17 @@ fn remote_event(
                 out.push((sink.clone(), answer));
             }
         }
-        Remote::Gone { peer } => {
-            quic.remove(&peer);
-            service.forget(peer);
+        Remote::Gone { peer, cut } => {
+            if quic.get(&peer).is_some_and(|p| Arc::ptr_eq(&p.cut, &cut)) {
+                quic.remove(&peer);
+                service.forget(peer);
+            }
         }
     }
 }
 
-async fn run_answer(
+/// Carries out one answer: queued at once, or handed to a task of its own (a send, a verb).
+fn run_answer(
     runtime_id: &str,
     tasks: &tokio::runtime::Handle,
     endpoint: &mut Endpoint,
@@ -1443,15 +1492,15 @@ async fn run_answer(
     sends: &Arc<tokio::sync::Semaphore>,
     answer: Answer,
     flushed: bool,
-) {
+) -> Result<(), Unread> {
     match answer {
-        Answer::Reply(bytes) => sink.send(endpoint, bytes).await,
+        Answer::Reply(bytes) => return sink.send(endpoint, bytes),
         Answer::AfterFlush { ok, failed } => {
-            sink.send(endpoint, if flushed { ok } else { failed }).await;
+            return sink.send(endpoint, if flushed { ok } else { failed });
         }
         Answer::Disconnect(reason) => match sink {
             Sink::Rudp(peer) => endpoint.disconnect(*peer, &reason),
-            Sink::Quic(_) => {} // Its sender was dropped with the peer.
+            Sink::Quic(..) => {} // Its sender was dropped with the peer.
         },
         Answer::Send {
             record_key,
@@ -1470,8 +1519,7 @@ async fn run_answer(
                     ..SendReceipt::default()
                 };
                 let bytes = receipt_bytes(runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
-                sink.send(endpoint, bytes).await;
-                return;
+                return sink.send(endpoint, bytes);
             };
             let sink = sink.detach(endpoint);
             let runtime_id = runtime_id.to_owned();
@@ -1512,6 +1560,7 @@ async fn run_answer(
             tasks.spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
         }
     }
+    Ok(())
 }
 
 /// The settings of the hub under the service: the per-client memory a client can make the

@@ -13,7 +13,7 @@ use gateway::inbox::Inbox;
 use gateway::quic;
 use gateway::service::{serve_with, Port, Service};
 use wire::docs::{ids, Delivery, PendingPage, PendingRequest};
-use wire::msg::Message;
+use wire::msg::{Message, Put, RawDocument};
 use wire::session::GATEWAY_CONNECTION_ID;
 
 /// A test's state directory, removed when dropped.
@@ -143,6 +143,85 @@ async fn a_wrong_key_is_refused_and_an_unpinned_server_is_not_trusted() {
         far(addr, &other, &key).await,
         Err(ClientError::Quic(_))
     ));
+}
+
+/// A pending request from the far organ, encoded (its answer, two deliveries, is a few hundred
+/// bytes).
+fn raw_pending(i: usize) -> Vec<u8> {
+    let mut doc = RawDocument::from_payload(
+        ids::PENDING_REQUEST,
+        &format!("hog-{i}"),
+        "2026-12-04T00:00:00Z",
+        &pending_request(),
+    );
+    doc.source_agent_id = Some("far-organ".into());
+    Message::DocumentPutRaw(Put {
+        message_id: format!("m{i}"),
+        document: doc,
+    })
+    .encode()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_is_cut_off_and_does_not_hold_up_the_others() {
+    let tmp = state_dir("unread");
+    let dir = tmp.path();
+    let key = SigningKey::from_bytes(&[21; 32]);
+    let (addr, cert) = gateway(dir, &key).await;
+    let mut other = far(addr, &cert, &key).await.unwrap();
+    let mut hog = far(addr, &cert, &key).await.unwrap();
+
+    // The hog asks and never reads: its stream's flow control fills (the client's default
+    // window, ~1.25 MB), then its connection's answer queue.
+    let hog = tokio::spawn(async move {
+        let mut sent = 0;
+        loop {
+            if let Err(e) = hog.send_raw(&raw_pending(sent)).await {
+                return (sent, e);
+            }
+            sent += 1;
+            assert!(sent < 100_000, "a client that never reads was not cut off");
+        }
+    });
+    // Meanwhile the other is served, promptly (before the fix the service loop waited on the
+    // hog's full queue, and this timed out).
+    let mut asked = 0;
+    while !hog.is_finished() {
+        asked += 1;
+        let page: PendingPage = tokio::time::timeout(
+            Duration::from_secs(5),
+            other.request(
+                ids::PENDING_REQUEST,
+                &format!("o-{asked}"),
+                &pending_request(),
+            ),
+        )
+        .await
+        .expect("the other client waited behind the hog")
+        .unwrap();
+        assert_eq!(page.pending_count, 2);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (sent, cut) = hog.await.unwrap();
+    match cut {
+        ClientError::Refused(why) => assert!(why.contains("unread"), "{why}"),
+        other => panic!("the hog's connection ended otherwise: {other:?}"),
+    }
+    let page: PendingPage = other
+        .request(ids::PENDING_REQUEST, "o-after", &pending_request())
+        .await
+        .unwrap();
+    assert_eq!(page.pending_count, 2);
+    // Cut off, it is no longer a peer (and it can connect again).
+    let mut again = far(addr, &cert, &key).await.unwrap();
+    let page: PendingPage = again
+        .request(ids::PENDING_REQUEST, "again", &pending_request())
+        .await
+        .unwrap();
+    assert_eq!(page.pending_count, 2);
+    eprintln!(
+        "the hog was cut off after {sent} unread requests; the other asked {asked} times meanwhile"
+    );
 }
 
 #[test]
