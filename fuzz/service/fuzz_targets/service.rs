@@ -46,7 +46,9 @@ fn inbox() -> &'static Mutex<Inbox> {
         let base = std::env::temp_dir();
         for entry in std::fs::read_dir(&base).into_iter().flatten().flatten() {
             let name = entry.file_name();
-            let pid = name.to_str().and_then(|n| n.strip_prefix("cultnet-fuzz-service-"));
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("cultnet-fuzz-service-"));
             if pid.is_some_and(|p| !std::path::Path::new("/proc").join(p).exists()) {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
@@ -63,7 +65,9 @@ fn inbox() -> &'static Mutex<Inbox> {
         };
         for r in 0..3u64 {
             let batch: Vec<Delivery> = (0..20).map(|i| d(r * 20 + i)).collect();
-            inbox.ingest("mira", &format!("t{r}"), &batch).expect("ingest");
+            inbox
+                .ingest("mira", &format!("t{r}"), &batch)
+                .expect("ingest");
         }
         Mutex::new(inbox)
     })
@@ -104,28 +108,60 @@ fn request(data: &mut &[u8]) -> Vec<u8> {
     let key = text(data);
     let doc = |schema: &str, p: &dyn erased::Payload| p.document(schema, &key);
     let bytes = match kind {
-        0 => doc(ids::PENDING_REQUEST, &PendingRequest {
-            persona,
-            after_seq: seq,
-            limit: Some(u32::from(byte(data))),
-            reply_bytes: Some(u32::from(byte(data)) * 64),
-        }),
-        1 => doc(ids::ACK_REQUEST, &AckRequest { persona, through_seq: seq }),
-        2 => doc(ids::STATUS_REQUEST, &StatusRequest { persona: Some(persona) }),
-        3 => doc(ids::TURN_REQUEST, &TurnRequest { persona, ..TurnRequest::default() }),
-        4 => doc(ids::NOTE_REQUEST, &NoteRequest {
-            persona,
-            note_id: text(data),
-            kind: text(data),
-            text: text(data),
-            ..NoteRequest::default()
-        }),
-        5 => doc(ids::EXTENSION_PENDING_REQUEST, &ExtensionPendingRequest {
-            persona,
-            after_seq: seq,
-            limit: Some(u32::from(byte(data))),
-        }),
-        _ => doc(ids::EXTENSION_ACK_REQUEST, &ExtensionAckRequest { persona, through_seq: seq }),
+        0 => doc(
+            ids::PENDING_REQUEST,
+            &PendingRequest {
+                persona,
+                after_seq: seq,
+                limit: Some(u32::from(byte(data))),
+                reply_bytes: Some(u32::from(byte(data)) * 64),
+            },
+        ),
+        1 => doc(
+            ids::ACK_REQUEST,
+            &AckRequest {
+                persona,
+                through_seq: seq,
+            },
+        ),
+        2 => doc(
+            ids::STATUS_REQUEST,
+            &StatusRequest {
+                persona: Some(persona),
+            },
+        ),
+        3 => doc(
+            ids::TURN_REQUEST,
+            &TurnRequest {
+                persona,
+                ..TurnRequest::default()
+            },
+        ),
+        4 => doc(
+            ids::NOTE_REQUEST,
+            &NoteRequest {
+                persona,
+                note_id: text(data),
+                kind: text(data),
+                text: text(data),
+                ..NoteRequest::default()
+            },
+        ),
+        5 => doc(
+            ids::EXTENSION_PENDING_REQUEST,
+            &ExtensionPendingRequest {
+                persona,
+                after_seq: seq,
+                limit: Some(u32::from(byte(data))),
+            },
+        ),
+        _ => doc(
+            ids::EXTENSION_ACK_REQUEST,
+            &ExtensionAckRequest {
+                persona,
+                through_seq: seq,
+            },
+        ),
     };
     bytes
 }
@@ -139,7 +175,12 @@ mod erased {
         fn document(&self, schema: &str, key: &str) -> Vec<u8> {
             wire::msg::Message::DocumentPutRaw(wire::msg::Put {
                 message_id: "m".into(),
-                document: wire::msg::RawDocument::from_payload(schema, key, "2026-12-03T00:00:00Z", self),
+                document: wire::msg::RawDocument::from_payload(
+                    schema,
+                    key,
+                    "2026-12-03T00:00:00Z",
+                    self,
+                ),
             })
             .encode()
         }
@@ -149,16 +190,33 @@ mod erased {
 fuzz_target!(|data: &[u8]| {
     let inbox = inbox().lock().unwrap_or_else(|p| p.into_inner()).clone();
     let key = SigningKey::from_bytes(&[5; 32]);
-    let clients = [Client::for_key("organ", &key.verifying_key(), &["mira", "otto"], &Verb::ALL)];
+    let clients = [Client::for_key(
+        "organ",
+        &key.verifying_key(),
+        &["mira", "otto"],
+        &Verb::ALL,
+    )];
     let mut ports = BTreeMap::new();
     ports.insert("mira".to_owned(), Port::new("@mira:l", 1000));
     ports.insert("otto".to_owned(), Port::new("@otto:l", 1000));
-    let mut svc = Service::new("fuzz", GATEWAY_CONNECTION_ID, 120, inbox.clone(), &clients, ports)
-        .with_limits(ClientLimits { requests_per_sec: 50.0, burst: 20.0, max_in_flight: 2 });
+    let mut svc = Service::new(
+        "fuzz",
+        GATEWAY_CONNECTION_ID,
+        120,
+        inbox.clone(),
+        &clients,
+        ports,
+    )
+    .with_limits(ClientLimits {
+        requests_per_sec: 50.0,
+        burst: 20.0,
+        max_in_flight: 2,
+    });
     let now_ms = 1_800_000_000_000;
     let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let payload = ConnectPayload::sign(&key, GATEWAY_CONNECTION_ID, "organ", now_ms, "n1");
-    svc.authenticate(peer, &payload.encode(), now_ms).expect("the pinned client connects");
+    svc.authenticate(peer, &payload.encode(), now_ms)
+        .expect("the pinned client connects");
     let mut now = Instant::now();
     let before = inbox.counts("mira").expect("counts");
     let mut rest = data;
@@ -176,9 +234,16 @@ fuzz_target!(|data: &[u8]| {
             }
             _ => request(&mut rest),
         };
-        let channel: Arc<str> = if mode & 0x80 != 0 { Arc::from("control") } else { Arc::from(CHANNEL) };
+        let channel: Arc<str> = if mode & 0x80 != 0 {
+            Arc::from("control")
+        } else {
+            Arc::from(CHANNEL)
+        };
         now += Duration::from_millis(u64::from(mode & 0x30));
-        let frame = Frame { channel, payload: Bytes::from(bytes) };
+        let frame = Frame {
+            channel,
+            payload: Bytes::from(bytes),
+        };
         for answer in svc.handle_at(peer, &frame, now) {
             match answer {
                 Answer::Reply(b) | Answer::AfterFlush { ok: b, .. } => {
