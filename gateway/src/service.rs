@@ -48,7 +48,7 @@ use wire::docs::{
     ids, AckReceipt, AuthError, ConnectPayload, ControlReceipt, ExtensionAckReceipt, GatewayStatus,
     NoteReceipt, PersonaStatus, Request, SendReceipt, Status, TurnReceipt,
 };
-use wire::hub::{HubError, HubEvent};
+use wire::hub::HubEvent;
 use wire::msg::{ErrorMsg, Message, Put, RawDocument};
 use wire::session::Frame;
 
@@ -1379,14 +1379,8 @@ fn endpoint_event(
             return;
         }
         EndpointEvent::AcceptNotApplied { peer, error } => {
-            // Too late or no slot: no session was opened for the Connect `authenticate`
-            // recorded, and no newer one from that peer holds the record (the endpoint reports
-            // this before any later Connect's events), so the record goes; otherwise it would
-            // count as a peer until a Connect from that address succeeded. A superseded verdict
-            // keeps it: the newer Connect's own authentication rewrites it.
-            if matches!(error, HubError::Expired(_) | HubError::Full(_)) {
-                service.forget(peer);
-            }
+            // The record it left was dealt with where the verdict was made (below).
+            tracing::debug!(%peer, "CultNet Connect not accepted: {error}");
             return;
         }
     };
@@ -1396,15 +1390,17 @@ fn endpoint_event(
             let peer = req.peer;
             match service.authenticate(peer, &req.payload, now) {
                 Ok(_) => endpoint.accept(req),
-                Err(why) => {
-                    endpoint.refuse(req, &why.to_string());
-                    // An earlier Connect from this address may have left a record whose accept
-                    // this one superseded; with no session open, nothing else will remove it.
-                    // (Verdicts are applied as they are made, so none is outstanding.)
-                    if !endpoint.has_session(peer) {
-                        service.forget(peer);
-                    }
-                }
+                Err(why) => endpoint.refuse(req, &why.to_string()),
+            }
+            // One rule for every verdict, since verdicts are applied as they are made: if no
+            // session is open for the address now, no record of a peer stays. That covers an
+            // accept that came too late (`Expired`) or found every slot taken (`Full`), one
+            // superseded by a newer Connect waiting from the same address (whose own event
+            // comes later and authenticates afresh), and a refusal after an earlier Connect's
+            // record was left by a superseded accept. Otherwise the record would count as a
+            // peer until a Connect from that address succeeded.
+            if !endpoint.has_session(peer) {
+                service.forget(peer);
             }
         }
         HubEvent::Frame { peer, frame } => {

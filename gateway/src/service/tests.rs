@@ -6,6 +6,7 @@ use wire::docs::{
     AckRequest, Delivery, PendingPage, PendingRequest, SendRequest, StatusRequest, TurnRequest,
 };
 use wire::msg::{Hello, SchemaCatalogRequest};
+use wire::hub::HubError;
 use wire::session::GATEWAY_CONNECTION_ID;
 
 use super::*;
@@ -659,34 +660,90 @@ fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
     assert!(matches!(&third[..], [Answer::Control { .. }]));
 }
 
-/// An accept the endpoint could not apply (too late, or no session slot) opened no session:
-/// the record `authenticate` made goes, so it is not counted as a peer for ever. A superseded
-/// verdict keeps it (the newer Connect's authentication owns it).
+/// A Connect datagram (sequence `sequence`) carrying `payload`.
+fn connect_datagram(sequence: u32, payload: &[u8]) -> Vec<u8> {
+    let mut datagram = Vec::new();
+    wire::packet::Packet {
+        ptype: wire::packet::PacketType::Connect,
+        flags: wire::packet::Flags(wire::packet::Flags::RELIABLE),
+        connection_id: GATEWAY_CONNECTION_ID,
+        sequence,
+        ack: 0,
+        ack_mask: 0,
+        fragment: wire::packet::Fragment::default(),
+        channel: "control",
+        payload,
+    }
+    .encode(&mut datagram)
+    .unwrap();
+    datagram
+}
+
+/// Sends a valid Connect of the organ's from a socket of its own, and waits for the endpoint
+/// to report it.
+async fn connect_request(ep: &mut Endpoint, nonce: &str) -> (std::net::UdpSocket, EndpointEvent) {
+    let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let payload = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, nonce);
+    raw.send_to(&connect_datagram(7, &payload.encode()), ep.local_addr())
+        .unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            ep.ready().await;
+            assert!(ep.pump());
+            if let Some(e) = ep.poll_event() {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("the endpoint reported the Connect");
+    assert!(
+        matches!(&event, EndpointEvent::Hub(HubEvent::ConnectRequest(r)) if r.peer == raw.local_addr().unwrap()),
+        "{event:?}"
+    );
+    (raw, event)
+}
+
+/// A valid Connect whose accept opens no session (every session slot taken, or its verdict
+/// too late) leaves no record of a peer behind, so it is not counted as one for ever; one that
+/// opens a session keeps its record.
 #[tokio::test]
 async fn a_verdict_that_opened_no_session_leaves_no_peer_behind() {
     let mut f = fixture("not-applied");
-    let mut ep = crate::endpoint::Endpoint::bind(crate::endpoint::EndpointConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        5,
-    ))
-    .await
-    .unwrap();
+    let mut cfg = crate::endpoint::EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 5);
+    cfg.hub.max_peers = 1;
+    cfg.hub.pending_timeout = Duration::from_millis(100);
+    let mut ep = Endpoint::bind(cfg).await.unwrap();
     let mut out = Vec::new();
-    for (n, error, kept) in [
-        (1, HubError::Expired(peer(1)), false),
-        (2, HubError::Full(peer(2)), false),
-        (3, HubError::Superseded(peer(3)), true),
-        (4, HubError::AlreadyAccepted(peer(4)), true),
-    ] {
-        connect(&mut f.svc, peer(n), "organ", 1, &format!("na{n}")).unwrap();
-        assert!(f.svc.peer_addrs().contains(&peer(n)));
-        let event = EndpointEvent::AcceptNotApplied {
-            peer: peer(n),
-            error,
-        };
-        endpoint_event(&mut f.svc, &mut ep, event, &mut out);
-        assert_eq!(f.svc.peer_addrs().contains(&peer(n)), kept, "peer {n}");
-    }
+
+    // Its verdict comes after the waiting room's timeout.
+    let (late, event) = connect_request(&mut ep, "late").await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    endpoint_event(&mut f.svc, &mut ep, event, &mut out);
+    assert!(matches!(
+        ep.poll_event(),
+        Some(EndpointEvent::AcceptNotApplied { error: HubError::Expired(p), .. }) if p == late.local_addr().unwrap()
+    ));
+    assert!(f.svc.peer_addrs().is_empty(), "a Connect accepted too late");
+
+    // The only slot is taken while it waits (the verdict on another Connect comes first).
+    let (full, waiting) = connect_request(&mut ep, "full").await;
+    let (opened, event) = connect_request(&mut ep, "opens").await;
+    endpoint_event(&mut f.svc, &mut ep, event, &mut out);
+    let opened = opened.local_addr().unwrap();
+    assert!(ep.has_session(opened));
+    assert_eq!(f.svc.peer_addrs(), vec![opened]);
+    endpoint_event(&mut f.svc, &mut ep, waiting, &mut out);
+    assert!(matches!(
+        ep.poll_event(),
+        Some(EndpointEvent::AcceptNotApplied { error: HubError::Full(p), .. }) if p == full.local_addr().unwrap()
+    ));
+    assert_eq!(
+        f.svc.peer_addrs(),
+        vec![opened],
+        "a Connect turned away for want of a slot"
+    );
     assert!(out.is_empty());
 }
 
@@ -712,22 +769,9 @@ async fn a_superseded_connect_whose_successor_is_refused_leaves_no_peer() {
     let forged = ConnectPayload::sign(&key(3), GATEWAY_CONNECTION_ID, "organ", now, "second");
     let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     for (sequence, payload) in [(100, good.encode()), (200, forged.encode())] {
-        let mut datagram = Vec::new();
-        wire::packet::Packet {
-            ptype: wire::packet::PacketType::Connect,
-            flags: wire::packet::Flags(wire::packet::Flags::RELIABLE),
-            connection_id: GATEWAY_CONNECTION_ID,
-            sequence,
-            ack: 0,
-            ack_mask: 0,
-            fragment: wire::packet::Fragment::default(),
-            channel: "control",
-            payload: &payload,
-        }
-        .encode(&mut datagram)
-        .unwrap();
         // Sent before this task yields, so the service reads both in one pump.
-        raw.send_to(&datagram, server).unwrap();
+        raw.send_to(&connect_datagram(sequence, &payload), server)
+            .unwrap();
     }
     let mut buf = [0u8; 2048];
     raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
