@@ -21,6 +21,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,8 +50,11 @@ pub const MAX_UNAUTHENTICATED: usize = 64;
 /// Authenticated connections, at most; more are refused.
 pub const MAX_CONNECTIONS: usize = 256;
 /// Answers queued for one connection while its stream is blocked (the client not reading);
-/// past them the client is cut off, as an RUDP client with a full send queue is.
+/// past them, or past [`ANSWER_QUEUE_BYTES`], the client is cut off, as an RUDP client with a
+/// full send queue is.
 pub const ANSWER_QUEUE: usize = 256;
+/// Bytes of answers queued for one connection, at most: an RUDP session's send queue.
+pub const ANSWER_QUEUE_BYTES: usize = 2 * crate::service::MAX_REPLY_BYTES as usize;
 /// Bytes a client may have in flight towards the gateway, per stream and per connection.
 pub const RECEIVE_WINDOW: u32 = 256 * 1024;
 
@@ -69,6 +73,83 @@ pub enum QuicError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+/// The service's way to one connection's writer: a queue bounded in answers and in bytes, and
+/// a bell that closes the connection.
+#[derive(Clone, Debug)]
+pub struct AnswerTx {
+    tx: mpsc::Sender<Bytes>,
+    queued: Arc<AtomicUsize>,
+    max_bytes: usize,
+    bell: Arc<Notify>,
+}
+
+/// The writer's end of an [`AnswerTx`].
+#[derive(Debug)]
+pub struct AnswerRx {
+    rx: mpsc::Receiver<Bytes>,
+    queued: Arc<AtomicUsize>,
+    bell: Arc<Notify>,
+}
+
+/// A connection's answer queue: at most `answers` answers and `bytes` bytes waiting.
+pub fn answer_queue(answers: usize, bytes: usize) -> (AnswerTx, AnswerRx) {
+    let (tx, rx) = mpsc::channel(answers.max(1));
+    let queued = Arc::new(AtomicUsize::new(0));
+    let bell = Arc::new(Notify::new());
+    (
+        AnswerTx {
+            tx,
+            queued: queued.clone(),
+            max_bytes: bytes,
+            bell: bell.clone(),
+        },
+        AnswerRx { rx, queued, bell },
+    )
+}
+
+/// Why an answer was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Unqueued {
+    /// The queue is full (in answers or in bytes): the client does not read.
+    Full,
+    /// The connection is gone.
+    Closed,
+}
+
+impl AnswerTx {
+    /// Queues an answer without waiting.
+    pub fn try_send(&self, bytes: Bytes) -> Result<(), Unqueued> {
+        let len = bytes.len();
+        // Reserved before the answer is queued, so the reader never takes off more than was
+        // added and racing senders (the loop and a send's task) never pass the bound together.
+        if self.queued.fetch_add(len, Ordering::Relaxed) + len > self.max_bytes {
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+            return Err(Unqueued::Full);
+        }
+        self.tx.try_send(bytes).map_err(|e| {
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+            match e {
+                mpsc::error::TrySendError::Full(_) => Unqueued::Full,
+                mpsc::error::TrySendError::Closed(_) => Unqueued::Closed,
+            }
+        })
+    }
+
+    /// Closes the connection: it is cut off.
+    pub fn cut(&self) {
+        self.bell.notify_one();
+    }
+}
+
+impl AnswerRx {
+    /// The next answer, or `None` once every sender is gone.
+    pub async fn recv(&mut self) -> Option<Bytes> {
+        let bytes = self.rx.recv().await?;
+        self.queued.fetch_sub(bytes.len(), Ordering::Relaxed);
+        Some(bytes)
+    }
 }
 
 /// The server's certificate and key.
@@ -266,15 +347,15 @@ async fn connection(
             return Err(e);
         }
     };
-    let (out, mut outgoing) = mpsc::channel::<Bytes>(ANSWER_QUEUE);
-    let cut = Arc::new(Notify::new());
+    let (out, mut outgoing) = answer_queue(ANSWER_QUEUE, ANSWER_QUEUE_BYTES);
+    let id = conn.stable_id();
     let (verdict, refused) = oneshot::channel();
     remote
         .send(Remote::Connect {
             peer,
+            id,
             payload,
             out,
-            cut: cut.clone(),
             verdict,
         })
         .await?;
@@ -285,7 +366,7 @@ async fn connection(
     drop(pre_auth);
     frames.set_max(MAX_FRAME);
     let closing = conn.clone();
-    let bell = cut.clone();
+    let bell = outgoing.bell.clone();
     let writer = tokio::spawn(async move {
         let why: &[u8] = tokio::select! {
             // The service let go of this peer (it broke its limits).
@@ -306,18 +387,14 @@ async fn connection(
             Err(e) => break Err(e),
         }
     };
-    let _ = remote.send(Remote::Gone { peer, cut }).await;
+    let _ = remote.send(Remote::Gone { peer, id }).await;
     writer.abort();
     ended
 }
 
 /// Writes the service's answers to the stream until the service drops its sender or the
 /// stream fails.
-async fn write_answers(
-    send: &mut quinn::SendStream,
-    outgoing: &mut mpsc::Receiver<Bytes>,
-    peer: SocketAddr,
-) {
+async fn write_answers(send: &mut quinn::SendStream, outgoing: &mut AnswerRx, peer: SocketAddr) {
     while let Some(bytes) = outgoing.recv().await {
         let Ok(framed) = wire::msg::frame(&bytes, MAX_FRAME) else {
             tracing::warn!(%peer, len = bytes.len(), "answer too large for a QUIC frame");
@@ -344,5 +421,51 @@ async fn next_frame(
             Some(chunk) => frames.push(&chunk.bytes),
             None => return Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(len: usize) -> Bytes {
+        Bytes::from(vec![0u8; len])
+    }
+
+    #[tokio::test]
+    async fn the_answer_queue_is_bounded_in_answers_and_in_bytes() {
+        // In bytes: 10 + 10 fit in 25, a third does not; taking one makes room again.
+        let (tx, mut rx) = answer_queue(8, 25);
+        assert_eq!(tx.try_send(answer(10)), Ok(()));
+        assert_eq!(tx.try_send(answer(10)), Ok(()));
+        assert_eq!(tx.try_send(answer(10)), Err(Unqueued::Full));
+        assert_eq!(rx.recv().await.map(|b| b.len()), Some(10));
+        assert_eq!(tx.try_send(answer(10)), Ok(()));
+        // A refused answer leaves no count behind: 5 more still fit exactly.
+        assert_eq!(tx.try_send(answer(6)), Err(Unqueued::Full));
+        assert_eq!(tx.try_send(answer(5)), Ok(()));
+
+        // In answers: two small ones fill a queue of two.
+        let (tx, mut rx) = answer_queue(2, 1_000);
+        assert_eq!(tx.try_send(answer(1)), Ok(()));
+        assert_eq!(tx.try_send(answer(1)), Ok(()));
+        assert_eq!(tx.try_send(answer(1)), Err(Unqueued::Full));
+        // A refusal for want of a slot gives its bytes back.
+        assert_eq!(tx.queued.load(Ordering::Relaxed), 2);
+        rx.recv().await;
+        assert_eq!(tx.try_send(answer(1)), Ok(()));
+
+        // A connection gone is not a full queue (the client is not cut off for it).
+        drop(rx);
+        assert_eq!(tx.try_send(answer(1)), Err(Unqueued::Closed));
+    }
+
+    #[tokio::test]
+    async fn cutting_rings_the_writers_bell_even_before_it_waits() {
+        let (tx, rx) = answer_queue(1, 1);
+        tx.cut();
+        tokio::time::timeout(Duration::from_secs(5), rx.bell.notified())
+            .await
+            .expect("the bell rang");
     }
 }

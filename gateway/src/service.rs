@@ -57,6 +57,7 @@ use crate::ear::{EarStats, Signals};
 use crate::endpoint::{Endpoint, EndpointEvent, EndpointHandle};
 use crate::inbox::Inbox;
 use crate::mouth::Mouth;
+use crate::quic::{AnswerTx, Unqueued};
 
 pub mod limits;
 pub use limits::ClientLimits;
@@ -1105,10 +1106,10 @@ pub enum Remote {
         peer: SocketAddr,
         /// Its Connect payload.
         payload: Bytes,
-        /// Where its answers go.
-        out: mpsc::Sender<Bytes>,
-        /// Rung when the service cuts it off (its answers unread): the connection closes.
-        cut: Arc<tokio::sync::Notify>,
+        /// Its connection (unique among the QUIC endpoint's).
+        id: usize,
+        /// Where its answers go (and how it is cut off).
+        out: AnswerTx,
         /// `Ok` to go on, `Err(reason)` to close the connection.
         verdict: tokio::sync::oneshot::Sender<Result<(), String>>,
     },
@@ -1123,17 +1124,17 @@ pub enum Remote {
     Gone {
         /// The peer.
         peer: SocketAddr,
-        /// Its Connect's bell: which connection from that address ended (a newer one from the
-        /// same address may already be accepted; its record stays).
-        cut: Arc<tokio::sync::Notify>,
+        /// Which connection from that address ended (a newer one from the same address may
+        /// be accepted already; its record stays).
+        id: usize,
     },
 }
 
-/// An accepted QUIC peer: where its answers go, and how to close its connection.
+/// An accepted QUIC peer: its connection, and where its answers go.
 #[derive(Debug)]
 struct QuicPeer {
-    out: mpsc::Sender<Bytes>,
-    cut: Arc<tokio::sync::Notify>,
+    id: usize,
+    out: AnswerTx,
 }
 
 /// A QUIC peer whose answer queue is full: it does not read what it asked for.
@@ -1144,7 +1145,7 @@ struct Unread(SocketAddr);
 #[derive(Clone, Debug)]
 enum Sink {
     Rudp(SocketAddr),
-    Quic(SocketAddr, mpsc::Sender<Bytes>, Arc<tokio::sync::Notify>),
+    Quic(SocketAddr, AnswerTx),
 }
 
 impl Sink {
@@ -1155,8 +1156,8 @@ impl Sink {
     fn send(&self, endpoint: &mut Endpoint, bytes: Bytes) -> Result<(), Unread> {
         match self {
             Sink::Rudp(peer) => endpoint.send(*peer, CHANNEL, bytes),
-            Sink::Quic(peer, out, _) => {
-                if let Err(mpsc::error::TrySendError::Full(_)) = out.try_send(bytes) {
+            Sink::Quic(peer, out) => {
+                if out.try_send(bytes) == Err(Unqueued::Full) {
                     return Err(Unread(*peer));
                 }
             }
@@ -1168,7 +1169,7 @@ impl Sink {
     fn detach(&self, endpoint: &Endpoint) -> TaskSink {
         match self {
             Sink::Rudp(peer) => TaskSink::Rudp(endpoint.handle(), *peer),
-            Sink::Quic(peer, out, cut) => TaskSink::Quic(*peer, out.clone(), cut.clone()),
+            Sink::Quic(peer, out) => TaskSink::Quic(*peer, out.clone()),
         }
     }
 }
@@ -1177,7 +1178,7 @@ impl Sink {
 #[derive(Debug)]
 enum TaskSink {
     Rudp(EndpointHandle, SocketAddr),
-    Quic(SocketAddr, mpsc::Sender<Bytes>, Arc<tokio::sync::Notify>),
+    Quic(SocketAddr, AnswerTx),
 }
 
 impl TaskSink {
@@ -1186,12 +1187,12 @@ impl TaskSink {
             TaskSink::Rudp(endpoint, peer) => {
                 let _ = endpoint.send(*peer, CHANNEL, bytes).await;
             }
-            TaskSink::Quic(peer, out, cut) => {
+            TaskSink::Quic(peer, out) => {
                 // As in the loop: a full queue means a client that does not read; its
                 // connection closes (the loop forgets it when the connection reports its end).
-                if let Err(mpsc::error::TrySendError::Full(_)) = out.try_send(bytes) {
+                if out.try_send(bytes) == Err(Unqueued::Full) {
                     tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
-                    cut.notify_one();
+                    out.cut();
                 }
             }
         }
@@ -1427,7 +1428,7 @@ fn cut_off_quic(service: &mut Service, quic: &mut HashMap<SocketAddr, QuicPeer>,
     service.stats.cut_off += 1;
     tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
     service.forget(peer);
-    gone.cut.notify_one();
+    gone.out.cut();
 }
 
 fn remote_event(
@@ -1440,14 +1441,14 @@ fn remote_event(
         Remote::Connect {
             peer,
             payload,
-            out: answers,
-            cut,
+            id,
+            out,
             verdict,
         } => {
             let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
             match service.authenticate(peer, &payload, now) {
                 Ok(_) => {
-                    quic.insert(peer, QuicPeer { out: answers, cut });
+                    quic.insert(peer, QuicPeer { id, out });
                     let _ = verdict.send(Ok(()));
                 }
                 Err(why) => {
@@ -1457,7 +1458,7 @@ fn remote_event(
         }
         Remote::Frame { peer, payload } => {
             let Some(to) = quic.get(&peer) else { return };
-            let sink = Sink::Quic(peer, to.out.clone(), to.cut.clone());
+            let sink = Sink::Quic(peer, to.out.clone());
             let frame = Frame {
                 channel: Arc::from(CHANNEL),
                 payload,
@@ -1470,8 +1471,8 @@ fn remote_event(
                 out.push((sink.clone(), answer));
             }
         }
-        Remote::Gone { peer, cut } => {
-            if quic.get(&peer).is_some_and(|p| Arc::ptr_eq(&p.cut, &cut)) {
+        Remote::Gone { peer, id } => {
+            if quic.get(&peer).is_some_and(|p| p.id == id) {
                 quic.remove(&peer);
                 service.forget(peer);
             }

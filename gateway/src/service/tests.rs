@@ -5,8 +5,8 @@ use ed25519_dalek::SigningKey;
 use wire::docs::{
     AckRequest, Delivery, PendingPage, PendingRequest, SendRequest, StatusRequest, TurnRequest,
 };
-use wire::msg::{Hello, SchemaCatalogRequest};
 use wire::hub::HubError;
+use wire::msg::{Hello, SchemaCatalogRequest};
 use wire::session::GATEWAY_CONNECTION_ID;
 
 use super::*;
