@@ -313,7 +313,13 @@ impl QuicClient {
                 .map_err(|_| ClientError::Timeout(self.conn.remote_address(), self.timeout))?;
             match chunk {
                 Ok(Some(c)) => self.frames.push(&c.bytes),
-                Ok(None) | Err(_) => return Err(self.closed()),
+                Ok(None) => {
+                    // The gateway finished its side: it is closing the connection, with its
+                    // reason close behind.
+                    let _ = tokio::time::timeout(self.timeout, self.conn.closed()).await;
+                    return Err(self.closed());
+                }
+                Err(_) => return Err(self.closed()),
             }
         }
     }

@@ -55,6 +55,9 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const ANSWER_QUEUE: usize = 256;
 /// Bytes of answers queued for one connection, at most: an RUDP session's send queue.
 pub const ANSWER_QUEUE_BYTES: usize = 2 * crate::service::MAX_REPLY_BYTES as usize;
+/// How long a connection the service let go of gets to take in its last answers before it is
+/// closed.
+pub const GOODBYE_WAIT: Duration = Duration::from_secs(1);
 /// Bytes a client may have in flight towards the gateway, per stream and per connection.
 pub const RECEIVE_WINDOW: u32 = 256 * 1024;
 
@@ -368,13 +371,24 @@ async fn connection(
     let closing = conn.clone();
     let bell = outgoing.bell.clone();
     let writer = tokio::spawn(async move {
-        let why: &[u8] = tokio::select! {
-            // The service let go of this peer (it broke its limits).
-            () = write_answers(&mut send, &mut outgoing, peer) => b"closed by the gateway: limits exceeded",
-            // Its answers piled up unread (the writer is stuck on its flow control).
-            () = bell.notified() => b"closed by the gateway: too many answers unread",
+        let let_go = tokio::select! {
+            let_go = write_answers(&mut send, &mut outgoing, peer) => let_go,
+            // Its answers piled up unread (the writer is stuck on its flow control): nothing
+            // more is worth delivering.
+            () = bell.notified() => {
+                closing.close(2u32.into(), b"closed by the gateway: too many answers unread");
+                return;
+            }
         };
-        closing.close(2u32.into(), why);
+        if !let_go {
+            return; // The stream failed: the connection is going already.
+        }
+        // The service let go of this peer (it broke its limits). Its last answers (the
+        // refusals that told it) are delivered first: closing at once would drop them.
+        if send.finish().is_ok() {
+            let _ = tokio::time::timeout(GOODBYE_WAIT, send.stopped()).await;
+        }
+        closing.close(2u32.into(), b"closed by the gateway: limits exceeded");
     });
     let ended = loop {
         match next_frame(&mut recv, &mut frames, 64 * 1024).await {
@@ -392,18 +406,23 @@ async fn connection(
     ended
 }
 
-/// Writes the service's answers to the stream until the service drops its sender or the
-/// stream fails.
-async fn write_answers(send: &mut quinn::SendStream, outgoing: &mut AnswerRx, peer: SocketAddr) {
+/// Writes the service's answers to the stream until the service lets go of the peer (every
+/// sender dropped: `true`) or the stream fails (`false`).
+async fn write_answers(
+    send: &mut quinn::SendStream,
+    outgoing: &mut AnswerRx,
+    peer: SocketAddr,
+) -> bool {
     while let Some(bytes) = outgoing.recv().await {
         let Ok(framed) = wire::msg::frame(&bytes, MAX_FRAME) else {
             tracing::warn!(%peer, len = bytes.len(), "answer too large for a QUIC frame");
             continue;
         };
         if send.write_all(&framed).await.is_err() {
-            return;
+            return false;
         }
     }
+    true
 }
 
 /// The next whole frame, or `None` at the end of the stream; reads at most `chunk` bytes at a

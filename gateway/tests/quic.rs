@@ -11,7 +11,7 @@ use gateway::config::{Client as ClientConfig, Verb};
 use gateway::endpoint::{Endpoint, EndpointConfig};
 use gateway::inbox::Inbox;
 use gateway::quic;
-use gateway::service::{serve_with, Port, Service};
+use gateway::service::{serve_with, ClientLimits, Port, Service};
 use wire::docs::{ids, Delivery, PendingPage, PendingRequest};
 use wire::msg::{Message, Put, RawDocument};
 use wire::session::GATEWAY_CONNECTION_ID;
@@ -26,6 +26,15 @@ fn state_dir(name: &str) -> tempfile::TempDir {
 
 /// Starts the service with a QUIC side; returns its QUIC address and certificate.
 async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::Identity) {
+    gateway_with(dir, key, ClientLimits::default()).await
+}
+
+/// As [`gateway`], with these per-client limits.
+async fn gateway_with(
+    dir: &std::path::Path,
+    key: &SigningKey,
+    limits: ClientLimits,
+) -> (SocketAddr, quic::Identity) {
     let inbox = Inbox::open(&dir.join("inbox")).unwrap();
     let d = |e: &str| Delivery {
         event_id: e.into(),
@@ -50,7 +59,8 @@ async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::
         inbox,
         &clients,
         ports,
-    );
+    )
+    .with_limits(limits);
     let endpoint = Endpoint::bind(EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 1))
         .await
         .unwrap();
@@ -222,6 +232,44 @@ async fn a_client_that_does_not_read_is_cut_off_and_does_not_hold_up_the_others(
     eprintln!(
         "the hog was cut off after {sent} unread requests; the other asked {asked} times meanwhile"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
+    let tmp = state_dir("rate");
+    let dir = tmp.path();
+    let key = SigningKey::from_bytes(&[21; 32]);
+    let limits = ClientLimits {
+        requests_per_sec: 1.0,
+        burst: 3.0,
+        max_in_flight: 16,
+    };
+    let (addr, cert) = gateway_with(dir, &key, limits).await;
+    let mut flooder = far(addr, &cert, &key).await.unwrap();
+    // Many more than a burst's worth at once: answered, then refused, then cut off.
+    for i in 0..20 {
+        if flooder.send_raw(&raw_pending(i)).await.is_err() {
+            break;
+        }
+    }
+    let (mut pages, mut refused) = (0, 0);
+    let ended = loop {
+        match flooder.next_message().await {
+            Ok(Message::DocumentPutRaw(_)) => pages += 1,
+            Ok(Message::Error(e)) => {
+                assert!(e.error.contains("rate limit"), "{}", e.error);
+                refused += 1;
+            }
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(pages, 3, "a burst's worth is served");
+    assert!(refused >= 3, "refused {refused}");
+    match ended {
+        ClientError::Refused(why) => assert!(why.contains("limits exceeded"), "{why}"),
+        other => panic!("the connection ended otherwise: {other:?}"),
+    }
 }
 
 #[test]
