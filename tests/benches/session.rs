@@ -278,11 +278,15 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     std::fs::write(&system, run.doctrine()).expect("doctrine");
     let state = run.state();
     let base_cfg = cfg(&mock, &dir, &system, ttl);
-    let pc = PolicyConfig {
+    let mut pc = PolicyConfig {
         keep_warm: keep != KeepWarm::Off,
         predictive: keep == KeepWarm::Predictive,
         ..PolicyConfig::for_ttl(ttl)
     };
+    // LEAD_SECS=N: refresh N seconds before expiry instead of the default lead.
+    if let Some(lead) = std::env::var("LEAD_SECS").ok().and_then(|v| v.parse().ok()) {
+        pc.keep_warm_lead = Duration::from_secs(lead);
+    }
     let prices = Prices::default();
     let origin = Instant::now();
     let mut offset = Duration::ZERO; // the mock's clock = real time + offset
@@ -574,6 +578,75 @@ impl Model {
         cost
     }
 
+    /// Where our schedule loses to the optimum's way of bridging each gap (`SCHEDULE=1`): per
+    /// turn, what bringing the prefix back cost us (our refreshes, then a read, a rewrite, a
+    /// fresh start's rehydration or a compaction) against the cheapest way to bring the same
+    /// prefix back (a read, refreshes through the gap, or a rewrite).
+    fn explain(&self, steps: &[Step]) {
+        let mut prefix = 0u64;
+        let mut lost_by = [0.0f64; 5];
+        const WHY: [&str; 5] = [
+            "kept warm, more refreshes than the gap needed",
+            "refreshed, then let it expire",
+            "let it expire where refreshing was cheaper",
+            "started fresh",
+            "compacted",
+        ];
+        for (i, s) in steps.iter().enumerate() {
+            let refreshed = s.refreshes as f64 * self.refresh(prefix);
+            let reach = if s.idle < self.ttl {
+                Prices::dollars(prefix, self.p.cache_read)
+            } else {
+                Prices::dollars(prefix, self.w)
+            };
+            let ours = refreshed
+                + match s.reset {
+                    Reset::None => reach,
+                    Reset::Fresh => Prices::dollars(s.rehydration, self.w),
+                    Reset::Compact => self.compaction(reach),
+                };
+            let best = self.reach(prefix, s.gap);
+            let lost = ours - best;
+            let why = match s.reset {
+                _ if i == 0 => None,
+                Reset::Fresh => Some(3),
+                Reset::Compact => Some(4),
+                Reset::None if lost < 1e-6 => None,
+                Reset::None if s.idle < self.ttl => Some(0),
+                Reset::None if s.refreshes > 0 => Some(1),
+                Reset::None => Some(2),
+            };
+            if let Some(k) = why {
+                lost_by[k] += lost;
+                let what = WHY[k];
+                println!(
+                    "    turn {:>3} gap {:>6}s idle {:>6}s refreshes {:>3} prefix {:>7}: ours ${:.4} best bridge ${:.4}: {what}",
+                    i + 1,
+                    s.gap,
+                    s.idle,
+                    s.refreshes,
+                    prefix,
+                    ours,
+                    best
+                );
+            }
+            prefix = match s.reset {
+                Reset::Fresh => s.rehydration,
+                Reset::Compact => self.base + self.summary,
+                Reset::None => prefix,
+            } + s.growth;
+        }
+        let parts: Vec<String> = WHY
+            .iter()
+            .zip(lost_by)
+            .map(|(why, lost)| format!("{why} ${lost:.4}"))
+            .collect();
+        println!(
+            "    against the best bridge of each gap (a reset's later savings not counted): {}",
+            parts.join("; ")
+        );
+    }
+
     /// The cheapest schedule in hindsight: before each turn, go on (reading, rewriting or
     /// having kept the prefix warm), start fresh, or compact. Dynamic programming over the last
     /// reset and its kind; the first turn always starts fresh.
@@ -751,13 +824,18 @@ struct Row {
     plain: Option<Report>,
 }
 
-fn optimum_ratio(r: &Report, ttl: Ttl) -> f64 {
+/// The cost model for a live run: its base, and the mean of its measured summaries.
+fn model_for(r: &Report, ttl: Ttl) -> Model {
     let summary = if r.summaries.is_empty() {
         PolicyConfig::default().compact_summary_tokens
     } else {
         r.summaries.iter().sum::<u64>() / r.summaries.len() as u64
     };
-    let m = Model::new(ttl, r.base, summary);
+    Model::new(ttl, r.base, summary)
+}
+
+fn optimum_ratio(r: &Report, ttl: Ttl) -> f64 {
+    let m = model_for(r, ttl);
     m.ours(&r.steps) / m.optimum(&r.steps)
 }
 
@@ -817,6 +895,9 @@ fn main() {
                     optimum_ratio(&live_r, ttl),
                     live_r.summaries
                 );
+                if std::env::var_os("SCHEDULE").is_some() {
+                    model_for(&live_r, ttl).explain(&live_r.steps);
+                }
                 let (mut off, mut plain) = (None, None);
                 if ttl == Ttl::FiveMinutes {
                     let o = live(&run, KeepWarm::Off).await;
