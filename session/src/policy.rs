@@ -54,7 +54,9 @@ pub struct PolicyConfig {
     /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
     /// expires (see [`GapModel`]); without enough gaps, the ski-rental bound alone.
     pub predictive: bool,
-    /// How long before expiry the refresh fires.
+    /// How long before expiry the refresh fires: the margin for the refresh itself (a CLI
+    /// start and one request, 1-2 s) to land before the entry expires. Each refresh buys
+    /// `ttl - lead` of warmth, so a long lead is paid for in refreshes: see [`Self::for_ttl`].
     pub keep_warm_lead: Duration,
 }
 
@@ -81,10 +83,16 @@ impl PolicyConfig {
     /// the session benchmark (README) with 5 minutes it saved up to 62% against none, broke even
     /// where it never fired, and cost 3% more on quiet operator DMs; unpredicted, it cost up to
     /// 1.8x what none did.
+    ///
+    /// The refresh lead is a tenth of the TTL, at most a minute: with 5 minutes, a 60 s lead
+    /// bought 240 s per refresh and 30 s buys 270 s; on the reference workload that was 150
+    /// refreshes -> 127 and 8% of the whole cost (a 15 s lead saved no more).
     pub fn for_ttl(ttl: Ttl) -> Self {
+        let defaults = Self::default();
         Self {
             ttl,
-            ..Self::default()
+            keep_warm_lead: defaults.keep_warm_lead.min(ttl.duration() / 10),
+            ..defaults
         }
     }
 

@@ -351,6 +351,15 @@ fn keep_warm_defaults_follow_the_benchmark() {
         PolicyConfig::for_ttl(Ttl::FiveMinutes).ttl,
         Ttl::FiveMinutes
     );
+    // The refresh lead: a tenth of the TTL, at most a minute.
+    assert_eq!(
+        PolicyConfig::for_ttl(Ttl::FiveMinutes).keep_warm_lead,
+        Duration::from_secs(30)
+    );
+    assert_eq!(
+        PolicyConfig::for_ttl(Ttl::OneHour).keep_warm_lead,
+        Duration::from_secs(60)
+    );
 }
 
 #[test]
