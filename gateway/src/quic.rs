@@ -21,7 +21,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,6 +86,7 @@ pub struct AnswerTx {
     queued: Arc<AtomicUsize>,
     max_bytes: usize,
     bell: Arc<Notify>,
+    cut: Arc<AtomicBool>,
 }
 
 /// The writer's end of an [`AnswerTx`].
@@ -107,6 +108,7 @@ pub fn answer_queue(answers: usize, bytes: usize) -> (AnswerTx, AnswerRx) {
             queued: queued.clone(),
             max_bytes: bytes,
             bell: bell.clone(),
+            cut: Arc::new(AtomicBool::new(false)),
         },
         AnswerRx { rx, queued, bell },
     )
@@ -140,9 +142,16 @@ impl AnswerTx {
         })
     }
 
-    /// Closes the connection: it is cut off.
-    pub fn cut(&self) {
+    /// Closes the connection: it is cut off. True the first time (whoever cuts first says
+    /// so in the log; the service counts it once).
+    pub fn cut(&self) -> bool {
         self.bell.notify_one();
+        !self.cut.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether the connection was cut off through this queue (or a clone of it).
+    pub fn was_cut(&self) -> bool {
+        self.cut.load(Ordering::Relaxed)
     }
 }
 

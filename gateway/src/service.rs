@@ -1189,10 +1189,10 @@ impl TaskSink {
             }
             TaskSink::Quic(peer, out) => {
                 // As in the loop: a full queue means a client that does not read; its
-                // connection closes (the loop forgets it when the connection reports its end).
-                if out.try_send(bytes) == Err(Unqueued::Full) {
+                // connection closes, and the loop forgets and counts it when the connection
+                // reports its end.
+                if out.try_send(bytes) == Err(Unqueued::Full) && out.cut() {
                     tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
-                    out.cut();
                 }
             }
         }
@@ -1426,9 +1426,10 @@ fn cut_off_quic(service: &mut Service, quic: &mut HashMap<SocketAddr, QuicPeer>,
         return;
     };
     service.stats.cut_off += 1;
-    tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
     service.forget(peer);
-    gone.out.cut();
+    if gone.out.cut() {
+        tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
+    }
 }
 
 fn remote_event(
@@ -1473,7 +1474,11 @@ fn remote_event(
         }
         Remote::Gone { peer, id } => {
             if quic.get(&peer).is_some_and(|p| p.id == id) {
-                quic.remove(&peer);
+                if quic.remove(&peer).is_some_and(|p| p.out.was_cut()) {
+                    // Cut off by a send's or verb's task, which cannot reach the stats: the
+                    // loop's own cut-offs remove the record at once and never get here.
+                    service.stats.cut_off += 1;
+                }
                 service.forget(peer);
             }
         }

@@ -605,6 +605,64 @@ fn a_client_over_its_rate_is_answered_failed_then_cut_off_and_others_go_on() {
     assert_eq!(s.personas.len(), 1, "the organ's one Persona");
 }
 
+/// A QUIC client that does not read is cut off by the loop or by a send's or verb's task;
+/// either way it is counted once, when cut or when its connection ends. A connection that just
+/// ends is no cut-off.
+#[test]
+fn a_quic_client_cut_off_anywhere_is_counted_once() {
+    let mut f = fixture("quic-cut");
+    let mut quic = HashMap::new();
+    let mut out = Vec::new();
+    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let open = |svc: &mut Service, quic: &mut HashMap<_, _>, n: u16| {
+        let (tx, _rx) = crate::quic::answer_queue(4, 1 << 20);
+        let (verdict, told) = tokio::sync::oneshot::channel();
+        let nonce = format!("quic-{n}");
+        let payload = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, &nonce);
+        let connect = Remote::Connect {
+            peer: peer(n),
+            payload: payload.encode().into(),
+            id: usize::from(n),
+            out: tx.clone(),
+            verdict,
+        };
+        let mut out = Vec::new();
+        remote_event(svc, quic, connect, &mut out);
+        assert!(out.is_empty());
+        assert_eq!(told.blocking_recv(), Ok(Ok(())));
+        assert!(svc.peers.contains_key(&peer(n)));
+        tx
+    };
+    let gone = |n: u16| Remote::Gone {
+        peer: peer(n),
+        id: usize::from(n),
+    };
+
+    // Cut by a task: counted when its connection ends, and forgotten then.
+    let task_cut = open(&mut f.svc, &mut quic, 1);
+    assert!(task_cut.cut(), "the first cut");
+    assert_eq!(f.svc.stats().cut_off, 0);
+    remote_event(&mut f.svc, &mut quic, gone(1), &mut out);
+    assert_eq!(f.svc.stats().cut_off, 1);
+    assert!(!f.svc.peers.contains_key(&peer(1)));
+
+    // Ended by the client: forgotten, not counted.
+    open(&mut f.svc, &mut quic, 2);
+    remote_event(&mut f.svc, &mut quic, gone(2), &mut out);
+    assert_eq!(f.svc.stats().cut_off, 1);
+    assert!(!f.svc.peers.contains_key(&peer(2)));
+
+    // Cut by the loop: counted at once; a task's later cut and the connection's end add nothing.
+    let loop_cut = open(&mut f.svc, &mut quic, 3);
+    cut_off_quic(&mut f.svc, &mut quic, peer(3));
+    assert_eq!(f.svc.stats().cut_off, 2);
+    assert!(loop_cut.was_cut());
+    assert!(!loop_cut.cut(), "already cut");
+    remote_event(&mut f.svc, &mut quic, gone(3), &mut out);
+    assert_eq!(f.svc.stats().cut_off, 2);
+    assert!(out.is_empty(), "no answers to any of this");
+}
+
 #[test]
 fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
     use wire::docs::{ControlAction, ControlReceipt, ControlRequest};
