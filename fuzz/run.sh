@@ -24,6 +24,10 @@ done
 
 # The service target builds the whole gateway, so it lives in its own crate (fuzz/service) and
 # runs without a sanitizer (safe Rust; a sanitizer build of matrix-sdk costs many minutes).
+# libFuzzer ends the run with exit(), so the target's state directory outlives it: give the run
+# a temp directory of its own and remove that afterwards.
 mkdir -p service/corpus/service
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/fuzz-service.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
 echo "fuzz: service for ${secs}s"
-(cd service && RUSTC_BOOTSTRAP=1 cargo fuzz run --fuzz-dir . -s none service corpus/service -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 5)
+(cd service && TMPDIR="$scratch" RUSTC_BOOTSTRAP=1 cargo fuzz run --fuzz-dir . -s none service corpus/service -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 5)
