@@ -380,6 +380,15 @@ impl Hub {
         }
     }
 
+    /// Closes the session with `peer` once what is queued for it is delivered (see
+    /// [`Session::finish`]): a peer sent away still reads the answers it was given first.
+    pub fn finish(&mut self, now: Instant, peer: SocketAddr, reason: &str) {
+        if let Some(e) = self.peers.get_mut(&peer) {
+            e.session.finish(now, reason);
+            self.after(peer);
+        }
+    }
+
     /// Runs every session's timers, and forgets Connects the owner left unanswered for longer
     /// than the pending timeout (so they cannot hold the waiting room).
     pub fn handle_timeout(&mut self, now: Instant) {

@@ -68,6 +68,9 @@ pub struct SessionConfig {
     pub max_control_queue: usize,
     /// Unreliable frames waiting to go out, at most; beyond it the oldest is dropped and counted.
     pub max_unreliable_queue: usize,
+    /// A session told to [`finish`](crate::session::Session::finish) sends what it has queued
+    /// and waits for the acks at most this long before it disconnects.
+    pub finish_linger: Duration,
 }
 
 impl Default for SessionConfig {
@@ -94,6 +97,7 @@ impl Default for SessionConfig {
             legacy_hole_timeout: Duration::from_secs(1),
             max_control_queue: 64,
             max_unreliable_queue: 1024,
+            finish_linger: Duration::from_secs(1),
         }
     }
 }

@@ -274,6 +274,9 @@ pub struct Session {
     events: VecDeque<SessionEvent>,
     stats: SessionStats,
     channels: Vec<Arc<str>>,
+    /// Told to [`finish`](Session::finish): the reason it will close with, and when it closes
+    /// at the latest.
+    finishing: Option<(String, Instant)>,
 }
 
 impl Session {
@@ -320,6 +323,7 @@ impl Session {
             events: VecDeque::new(),
             stats: SessionStats::default(),
             channels: Vec::new(),
+            finishing: None,
             cfg,
         }
     }
@@ -503,7 +507,7 @@ impl Session {
         delivery: Delivery,
         payload: Bytes,
     ) -> Result<(), SendError> {
-        if matches!(self.state, State::Closed(_)) {
+        if matches!(self.state, State::Closed(_)) || self.finishing.is_some() {
             return Err(SendError::NotConnected);
         }
         if channel.len() > 255 {
@@ -609,6 +613,43 @@ impl Session {
         self.shut(CloseReason::Local(reason.to_owned()));
     }
 
+    /// Closes once what is already queued has been delivered: no new frame is taken, the
+    /// queued and unacknowledged ones go on being sent and resent, and when every one is
+    /// acknowledged (or `finish_linger` has passed) the peer gets a Disconnect with `reason`,
+    /// as from [`close`](Session::close). So a peer being sent away still reads the answers it
+    /// was given before. A session not yet connected closes at once.
+    pub fn finish(&mut self, now: Instant, reason: &str) {
+        if matches!(self.state, State::Closed(_)) || self.finishing.is_some() {
+            return;
+        }
+        if self.state != State::Connected {
+            self.close(reason);
+            return;
+        }
+        self.finishing = Some((reason.to_owned(), now + self.cfg.finish_linger));
+        self.finish_if_done(now);
+    }
+
+    /// Whether the session was told to [`finish`](Session::finish) and has not closed yet.
+    pub fn is_finishing(&self) -> bool {
+        self.finishing.is_some()
+    }
+
+    /// Closes a finishing session whose frames are all delivered or whose linger is over.
+    fn finish_if_done(&mut self, now: Instant) {
+        let Some((_, deadline)) = &self.finishing else {
+            return;
+        };
+        let delivered = self.queue.is_empty()
+            && self.unreliable.is_empty()
+            && self.in_flight.iter().all(|e| e.acked);
+        if delivered || now >= *deadline {
+            if let Some((reason, _)) = self.finishing.take() {
+                self.close(&reason);
+            }
+        }
+    }
+
     // ---- inputs ----
 
     /// Feeds one packet from the peer (already decoded, connection id already checked).
@@ -663,6 +704,7 @@ impl Session {
                     .push_back(SessionEvent::Disconnected(CloseReason::Peer(reason)));
             }
         }
+        self.finish_if_done(now);
     }
 
     /// Runs the timers due at `now`: resends, expiry, keepalive, silence and connect timeouts,
@@ -725,6 +767,7 @@ impl Session {
                 }
             }
         }
+        self.finish_if_done(now);
     }
 
     // ---- outputs ----
@@ -797,6 +840,9 @@ impl Session {
         }
         if let Some(d) = self.ack_deadline {
             at(d);
+        }
+        if let Some((_, d)) = &self.finishing {
+            at(*d);
         }
         if let Some(s) = self.cfg.silence_timeout {
             at(self.last_recv + s);
@@ -1360,6 +1406,7 @@ impl Session {
 
     fn shut(&mut self, reason: CloseReason) {
         self.state = State::Closed(reason);
+        self.finishing = None;
         self.in_flight.clear();
         self.queue.clear();
         self.queued_bytes = 0;

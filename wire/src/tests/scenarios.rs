@@ -886,3 +886,117 @@ fn connect_spray_from_many_addresses_does_not_lock_out_a_client() {
     assert_eq!(hub.stats().peers_full, 0);
     assert_eq!(hub.stats().refused, 500);
 }
+
+/// Frames B received before the first Disconnected event, as big-endian numbers, and that
+/// event's reason.
+fn numbers_then_disconnect(events: &[HubEvent]) -> (Vec<u32>, Option<CloseReason>) {
+    let mut got = Vec::new();
+    for e in events {
+        match e {
+            HubEvent::Frame { frame, .. } => {
+                let p = &frame.payload;
+                got.push(u32::from_be_bytes([p[0], p[1], p[2], p[3]]));
+            }
+            HubEvent::Disconnected { reason, .. } => return (got, Some(reason.clone())),
+            _ => {}
+        }
+    }
+    (got, None)
+}
+
+#[test]
+fn a_finished_session_delivers_what_was_queued_then_disconnects() {
+    let mut pair = Pair::new(21, cfg());
+    pair.connect();
+    let a = pair.a.addr;
+    // Lossy towards A: some of B's frames and the acks for them need resending.
+    pair.a.impair.loss = 0.2;
+    pair.b.impair.loss = 0.2;
+    for i in 0..100u32 {
+        pair.b
+            .hub
+            .send(pair.now, a, "schema", Bytes::from(i.to_be_bytes().to_vec()))
+            .unwrap();
+    }
+    // More than the window: 68 of them still wait behind it.
+    assert!(pair.b.hub.session(a).unwrap().queued_bytes() > 0);
+    pair.b.hub.finish(pair.now, a, "limits exceeded");
+    assert!(pair.b.hub.session(a).unwrap().is_finishing());
+    // It takes nothing new.
+    assert_eq!(
+        pair.b
+            .hub
+            .send(pair.now, a, "schema", Bytes::from_static(b"late")),
+        Err(SendError::NotConnected)
+    );
+    let start = pair.now;
+    assert!(
+        pair.drive_until(100_000, |p| numbers_then_disconnect(&p.a.events)
+            .1
+            .is_some())
+    );
+    let (got, reason) = numbers_then_disconnect(&pair.a.events);
+    assert_eq!(
+        got,
+        (0..100).collect::<Vec<_>>(),
+        "everything, in order, first"
+    );
+    assert_eq!(reason, Some(CloseReason::Peer("limits exceeded".into())));
+    assert!(
+        pair.now < start + cfg().session.finish_linger,
+        "it closed when delivered, not at the linger's end"
+    );
+    assert!(
+        pair.drive_until(1000, |p| p.b.hub.session(a).is_none()),
+        "reaped"
+    );
+}
+
+#[test]
+fn a_finishing_session_waits_for_its_acks_at_most_the_linger() {
+    let mut c = cfg();
+    c.session.keepalive = None;
+    let linger = c.session.finish_linger;
+    let mut pair = Pair::new(22, c);
+    pair.connect();
+    let a = pair.a.addr;
+    // Nothing reaches A any more: nothing B sends is ever acknowledged.
+    pair.a.impair.loss = 1.0;
+    pair.b
+        .hub
+        .send(pair.now, a, "schema", Bytes::from_static(b"lost"))
+        .unwrap();
+    let start = pair.now;
+    pair.b.hub.finish(pair.now, a, "bye");
+    assert!(pair.drive_until(10_000, |p| p.now >= start + linger / 2));
+    assert!(
+        pair.b.hub.session(a).is_some_and(|s| s.is_finishing()),
+        "still trying halfway through the linger"
+    );
+    assert!(pair.drive_until(10_000, |p| p.b.hub.session(a).is_none()));
+    assert!(
+        pair.now >= start + linger,
+        "closed at {:?}",
+        pair.now - start
+    );
+    assert!(
+        pair.now < start + linger * 2,
+        "closed at {:?}",
+        pair.now - start
+    );
+}
+
+#[test]
+fn finishing_a_session_with_nothing_queued_or_not_yet_connected_closes_it_at_once() {
+    let mut pair = Pair::new(23, cfg());
+    pair.connect();
+    let (a, b) = (pair.a.addr, pair.b.addr);
+    pair.b.hub.finish(pair.now, a, "now");
+    assert!(pair.b.hub.session(a).unwrap().close_reason().is_some());
+    assert!(pair.drive_until(1000, |p| numbers_then_disconnect(&p.a.events).1.is_some()));
+    // A client whose Connect is unanswered has nothing to deliver: it closes at once too.
+    let mut lone = Hub::new(cfg(), 3);
+    lone.connect(pair.now, b, Bytes::from_static(b"join"));
+    lone.finish(pair.now, b, "never mind");
+    assert!(lone.session(b).unwrap().close_reason().is_some());
+}
