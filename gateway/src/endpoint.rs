@@ -319,6 +319,14 @@ impl Endpoint {
         self.driver.hub.disconnect(peer, reason);
     }
 
+    /// Closes a session once what is queued for it is delivered, or after the session's
+    /// linger (see [`wire::session::Session::finish`]).
+    pub fn finish(&mut self, peer: SocketAddr, reason: &str) {
+        self.driver
+            .hub
+            .finish(Instant::now().into_std(), peer, reason);
+    }
+
     /// Whether a session with `peer` is open.
     pub fn has_session(&self, peer: SocketAddr) -> bool {
         self.driver.hub.session(peer).is_some()

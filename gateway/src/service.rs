@@ -1501,7 +1501,8 @@ fn run_answer(
             return sink.send(endpoint, if flushed { ok } else { failed });
         }
         Answer::Disconnect(reason) => match sink {
-            Sink::Rudp(peer) => endpoint.disconnect(*peer, &reason),
+            // Its last answers (the refusals that told it) go first.
+            Sink::Rudp(peer) => endpoint.finish(*peer, &reason),
             Sink::Quic(..) => {} // Its sender was dropped with the peer.
         },
         Answer::Send {

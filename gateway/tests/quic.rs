@@ -26,7 +26,8 @@ fn state_dir(name: &str) -> tempfile::TempDir {
 
 /// Starts the service with a QUIC side; returns its QUIC address and certificate.
 async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::Identity) {
-    gateway_with(dir, key, ClientLimits::default()).await
+    let (addr, cert, _) = gateway_with(dir, key, ClientLimits::default()).await;
+    (addr, cert)
 }
 
 /// As [`gateway`], with these per-client limits.
@@ -34,7 +35,7 @@ async fn gateway_with(
     dir: &std::path::Path,
     key: &SigningKey,
     limits: ClientLimits,
-) -> (SocketAddr, quic::Identity) {
+) -> (SocketAddr, quic::Identity, SocketAddr) {
     let inbox = Inbox::open(&dir.join("inbox")).unwrap();
     let d = |e: &str| Delivery {
         event_id: e.into(),
@@ -70,6 +71,7 @@ async fn gateway_with(
     )
     .unwrap();
     let addr = server.local_addr().unwrap();
+    let rudp = endpoint.local_addr();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let (_stop_tx, stop) = tokio::sync::watch::channel(false);
     tokio::spawn(quic::accept(server, tx, stop.clone()));
@@ -77,7 +79,7 @@ async fn gateway_with(
         serve_with(service, endpoint, Some(rx), stop).await;
         drop(_stop_tx);
     });
-    (addr, quic::identity(None, None, dir).unwrap())
+    (addr, quic::identity(None, None, dir).unwrap(), rudp)
 }
 
 async fn far(
@@ -244,7 +246,7 @@ async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
         burst: 3.0,
         max_in_flight: 16,
     };
-    let (addr, cert) = gateway_with(dir, &key, limits).await;
+    let (addr, cert, _) = gateway_with(dir, &key, limits).await;
     let mut flooder = far(addr, &cert, &key).await.unwrap();
     // Many more than a burst's worth at once: answered, then refused, then cut off.
     for i in 0..20 {
@@ -269,6 +271,50 @@ async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
     match ended {
         ClientError::Refused(why) => assert!(why.contains("limits exceeded"), "{why}"),
         other => panic!("the connection ended otherwise: {other:?}"),
+    }
+}
+
+/// The same over RUDP (the service beside the QUIC side): the answers a client over its rate
+/// was given, the refusals that told it, arrive before the Disconnect that gives the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rudp_client_past_its_rate_reads_its_answers_then_the_reason() {
+    let tmp = state_dir("rate-rudp");
+    let dir = tmp.path();
+    let key = SigningKey::from_bytes(&[21; 32]);
+    let limits = ClientLimits {
+        requests_per_sec: 1.0,
+        burst: 3.0,
+        max_in_flight: 16,
+    };
+    let (_, _, rudp) = gateway_with(dir, &key, limits).await;
+    let mut flooder =
+        gateway::client::Client::connect(rudp, "far-organ", &key, Duration::from_secs(10))
+            .await
+            .unwrap();
+    // All at once, so the service takes them in one round and answers them together with the
+    // Disconnect.
+    for i in 0..20 {
+        flooder.send_raw(raw_pending(i)).await.unwrap();
+    }
+    let (mut pages, mut refused) = (0, 0);
+    let ended = loop {
+        match flooder.next_message().await {
+            Ok(Message::DocumentPutRaw(_)) => pages += 1,
+            Ok(Message::Error(e)) => {
+                assert!(e.error.contains("rate limit"), "{}", e.error);
+                refused += 1;
+            }
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(pages, 3, "a burst's worth is served");
+    assert!(refused >= 3, "refused {refused}");
+    match ended {
+        ClientError::Closed(wire::error::CloseReason::Peer(why)) => {
+            assert!(why.contains("rate limit"), "{why}");
+        }
+        other => panic!("the session ended otherwise: {other:?}"),
     }
 }
 
