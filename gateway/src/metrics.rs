@@ -82,6 +82,10 @@ pub struct Metrics {
     pub connects_refused: Family<ReasonLabel, Counter>,
     /// Authenticated CultNet peers now.
     pub peers: Gauge,
+    /// Requests answered `failed` because their client was over a limit, by limit.
+    pub requests_limited: Family<ReasonLabel, Counter>,
+    /// CultNet clients disconnected for breaking their limits, by limit.
+    pub clients_cut_off: Family<ReasonLabel, Counter>,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -102,6 +106,8 @@ impl Metrics {
             connects_accepted: Counter::default(),
             connects_refused: Family::default(),
             peers: Gauge::default(),
+            requests_limited: Family::default(),
+            clients_cut_off: Family::default(),
         }
     }
 
@@ -171,6 +177,24 @@ impl Metrics {
                 persona: persona.to_owned(),
             })
             .observe(seconds);
+    }
+
+    /// Counts a request refused for its client's `limit` (`rate`, `in_flight`).
+    pub fn limited(&self, limit: &str) {
+        self.requests_limited
+            .get_or_create(&ReasonLabel {
+                reason: limit.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a client cut off for its `limit` (`rate`, `unread`).
+    pub fn cut_off(&self, limit: &str) {
+        self.clients_cut_off
+            .get_or_create(&ReasonLabel {
+                reason: limit.to_owned(),
+            })
+            .inc();
     }
 
     /// Counts a refused Connect.
@@ -458,6 +482,16 @@ fn registry(state: Arc<Mutex<Snapshot>>) -> Registry {
         "Authenticated CultNet peers",
         m.peers.clone(),
     );
+    r.register(
+        "requests_limited",
+        "CultNet requests answered failed for their client's limit, by limit",
+        m.requests_limited.clone(),
+    );
+    r.register(
+        "clients_cut_off",
+        "CultNet clients disconnected for breaking their limits, by limit",
+        m.clients_cut_off.clone(),
+    );
     r.register_collector(Box::new(StateCollector(state)));
     r
 }
@@ -589,6 +623,8 @@ mod tests {
         }));
         global().refused("replay");
         global().send("mira", wire::docs::Status::Ok, 0.02);
+        global().limited("rate");
+        global().cut_off("unread");
         let r = registry(state);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
@@ -600,6 +636,8 @@ mod tests {
             "cultnet_gateway_datagrams_dropped_total{reason=\"malformed\"} 2",
             "cultnet_gateway_connects_refused_total{reason=\"replay\"}",
             "cultnet_gateway_sends_total{persona=\"mira\",outcome=\"ok\"}",
+            "cultnet_gateway_requests_limited_total{reason=\"rate\"}",
+            "cultnet_gateway_clients_cut_off_total{reason=\"unread\"}",
             "# EOF",
         ] {
             assert!(text.contains(want), "{want:?} missing:\n{text}");

@@ -337,6 +337,18 @@ impl Service {
         self.inbox.flush()
     }
 
+    /// Counts a request refused for its client's `limit`, here and in the metrics.
+    fn count_limited(&mut self, limit: &str) {
+        self.stats.limited += 1;
+        crate::metrics::global().limited(limit);
+    }
+
+    /// Counts a client cut off for its `limit`, here and in the metrics.
+    fn count_cut_off(&mut self, limit: &str) {
+        self.stats.cut_off += 1;
+        crate::metrics::global().cut_off(limit);
+    }
+
     /// Counters.
     pub fn stats(&self) -> ServiceStats {
         self.stats
@@ -459,7 +471,7 @@ impl Service {
         match a.budget.take(&limits, now) {
             Verdict::Allow => {}
             Verdict::Refuse => {
-                self.stats.limited += 1;
+                self.count_limited("rate");
                 return self.over_limit(
                     frame,
                     format!(
@@ -469,7 +481,7 @@ impl Service {
                 );
             }
             Verdict::Disconnect => {
-                self.stats.cut_off += 1;
+                self.count_cut_off("rate");
                 tracing::warn!(%peer, %agent, "CultNet client cut off: it kept going past its rate limit");
                 self.forget(peer);
                 return vec![Answer::Disconnect(format!(
@@ -575,7 +587,7 @@ impl Service {
         if matches!(req, Request::Send(_) | Request::Control(_))
             && running >= self.limits.max_in_flight
         {
-            self.stats.limited += 1;
+            self.count_limited("in_flight");
             let why = format!("{running} of your requests are in flight; retry later");
             return vec![self.refusal_with(&req, &key, why, Status::Failed)];
         }
@@ -1370,7 +1382,7 @@ fn endpoint_event(
                 && service.peers.contains_key(&peer)
             {
                 // A client that does not read its answers holds our memory: cut it off.
-                service.stats.cut_off += 1;
+                service.count_cut_off("unread");
                 tracing::warn!(%peer, "CultNet client cut off: it does not read its answers");
                 service.forget(peer);
                 endpoint.disconnect(peer, "too many answers unread (send queue full)");
@@ -1425,7 +1437,7 @@ fn cut_off_quic(service: &mut Service, quic: &mut HashMap<SocketAddr, QuicPeer>,
     let Some(gone) = quic.remove(&peer) else {
         return;
     };
-    service.stats.cut_off += 1;
+    service.count_cut_off("unread");
     service.forget(peer);
     if gone.out.cut() {
         tracing::warn!(%peer, "CultNet QUIC client cut off: it does not read its answers");
@@ -1477,7 +1489,7 @@ fn remote_event(
                 if quic.remove(&peer).is_some_and(|p| p.out.was_cut()) {
                     // Cut off by a send's or verb's task, which cannot reach the stats: the
                     // loop's own cut-offs remove the record at once and never get here.
-                    service.stats.cut_off += 1;
+                    service.count_cut_off("unread");
                 }
                 service.forget(peer);
             }

@@ -661,6 +661,14 @@ fn a_quic_client_cut_off_anywhere_is_counted_once() {
     remote_event(&mut f.svc, &mut quic, gone(3), &mut out);
     assert_eq!(f.svc.stats().cut_off, 2);
     assert!(out.is_empty(), "no answers to any of this");
+    // The metrics count them too (other tests in this process may add to the same counter).
+    let unread = crate::metrics::global()
+        .clients_cut_off
+        .get_or_create(&crate::metrics::ReasonLabel {
+            reason: "unread".into(),
+        })
+        .get();
+    assert!(unread >= 2, "{unread}");
 }
 
 #[test]
