@@ -506,3 +506,32 @@ fn predictive_keep_warm_looks_past_the_next_refresh() {
     assert_eq!(p, 0.0);
     assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
 }
+
+#[test]
+fn past_her_longest_silence_ski_rental_decides() {
+    let now = Instant::now();
+    let c = PolicyConfig {
+        keep_warm: true,
+        ..PolicyConfig::for_ttl(Ttl::OneHour)
+    };
+    // Her silences have all been two hours; this one has lasted four, and the refresh is due.
+    let mut t = idle_with_gaps(now, &c, 7_200);
+    t.last_turn_at = Some(now - Duration::from_secs(4 * 3600));
+    // Evicted two hours in (a refresh forks the session in a process of its own).
+    t.process = Process::Stopped;
+    let spent_per_refresh = refresh_cost(&t, &c);
+    t.keep_warm_cost = 4.0 * spent_per_refresh;
+    let idle = Duration::from_secs(4 * 3600);
+    assert_eq!(
+        t.gaps.p_within(idle, idle * 10),
+        Some(0.0),
+        "past all she has shown"
+    );
+    // The model does not know; ski rental refreshes while the refreshes since her turn cost
+    // less than the rewrite they avoid (before, such a silence was taken to go on forever).
+    assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
+    // With the budget spent, it lets the entry go.
+    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    t.keep_warm_cost = rewrite;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+}
