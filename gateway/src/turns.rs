@@ -440,7 +440,8 @@ impl TurnLoop {
                 match session::driver::refresh_fork(&self.base, &sid).await {
                     Ok(r) => {
                         let cost = r.usage.usage().cost(&self.prices);
-                        self.telemetry.after_keep_warm(cost, Instant::now());
+                        // Its touch is its start: the expiry reckoned from it is never late.
+                        self.telemetry.after_keep_warm(cost, now);
                     }
                     Err(e) => {
                         tracing::warn!(persona = %self.persona.id, error = %e, "keep-warm failed");

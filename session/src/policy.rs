@@ -54,10 +54,16 @@ pub struct PolicyConfig {
     /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
     /// expires (see [`GapModel`]); without enough gaps, the ski-rental bound alone.
     pub predictive: bool,
-    /// How long before expiry the refresh fires: the margin for the refresh itself (a CLI
-    /// start and one request, 1-2 s) to land before the entry expires. Each refresh buys
-    /// `ttl - lead` of warmth, so a long lead is paid for in refreshes: see [`Self::for_ttl`].
+    /// How long before expiry the first refresh after a turn fires. A turn's touch is taken
+    /// when the turn is done, after its last request read the cache (its output streamed,
+    /// receipts sent), so the margin covers that as well as the refresh itself (a CLI start
+    /// and one request, 1-2 s). Each refresh buys `ttl - lead` of warmth, so a long lead is
+    /// paid for in refreshes: see [`Self::for_ttl`].
     pub keep_warm_lead: Duration,
+    /// The same after a refresh, whose touch is taken when it starts, before its request reads
+    /// the cache: only the next refresh's own start-up needs covering (at most
+    /// `keep_warm_lead`).
+    pub refresh_lead: Duration,
 }
 
 impl Default for PolicyConfig {
@@ -74,6 +80,7 @@ impl Default for PolicyConfig {
             keep_warm: true,
             predictive: true,
             keep_warm_lead: Duration::from_secs(60),
+            refresh_lead: Duration::from_secs(10),
         }
     }
 }
@@ -150,6 +157,8 @@ pub struct Telemetry {
     pub base_tokens: u64,
     /// Last request that read or wrote the cache (turn or keep-warm refresh).
     pub last_cache_touch: Option<Instant>,
+    /// Whether that was a keep-warm refresh (its touch is when it started).
+    pub touched_by_refresh: bool,
     /// End of the last turn.
     pub last_turn_at: Option<Instant>,
     /// Dollars of cache reads above the rehydration size, summed since the last fresh start.
@@ -200,6 +209,7 @@ impl Telemetry {
             prices.cache_read,
         );
         self.last_cache_touch = Some(now);
+        self.touched_by_refresh = false;
         self.last_turn_at = Some(now);
         self.last_outcome = outcome;
         self.keep_warm_cost = 0.0;
@@ -225,12 +235,15 @@ impl Telemetry {
         self.excess_read_cost = 0.0;
         self.last_outcome = Outcome::Ok;
         self.last_cache_touch = Some(now);
+        self.touched_by_refresh = false;
     }
 
-    /// Books a keep-warm refresh that cost `dollars`.
-    pub fn after_keep_warm(&mut self, dollars: f64, now: Instant) {
+    /// Books a keep-warm refresh that cost `dollars` and started at `started` (before its
+    /// request read the cache, so the expiry reckoned from it is never late).
+    pub fn after_keep_warm(&mut self, dollars: f64, started: Instant) {
         self.keep_warm_cost += dollars;
-        self.last_cache_touch = Some(now);
+        self.last_cache_touch = Some(started);
+        self.touched_by_refresh = true;
     }
 }
 
@@ -338,6 +351,15 @@ pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
     Decision::Continue
 }
 
+/// How long before the reckoned expiry the next refresh fires.
+fn lead(t: &Telemetry, c: &PolicyConfig) -> Duration {
+    if t.touched_by_refresh {
+        c.refresh_lead.min(c.keep_warm_lead)
+    } else {
+        c.keep_warm_lead
+    }
+}
+
 /// Whether an idle session should refresh its cache now.
 fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let Some(touch) = t.last_cache_touch else {
@@ -347,7 +369,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
         return false;
     }
     let expiry = touch + c.ttl.duration();
-    let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
+    let fire_at = expiry.checked_sub(lead(t, c)).unwrap_or(touch);
     // The rewrite a refresh avoids: the next turn would rewrite the prefix, or start fresh.
     let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c));
     let refresh = refresh_cost(t, c);
@@ -366,7 +388,11 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let left = ((rewrite - t.keep_warm_cost) / refresh)
         .floor()
         .clamp(1.0, 1e4) as u32;
-    let period = c.ttl.duration().saturating_sub(c.keep_warm_lead);
+    // Every later refresh follows a refresh.
+    let period = c
+        .ttl
+        .duration()
+        .saturating_sub(c.refresh_lead.min(c.keep_warm_lead));
     match t
         .gaps
         .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
@@ -385,7 +411,7 @@ pub fn next_check(t: &Telemetry, c: &PolicyConfig, fired: Option<Instant>) -> Op
         .filter(|_| c.keep_warm && t.prefix_tokens > 0)
         .map(|touch| {
             (touch + c.ttl.duration())
-                .checked_sub(c.keep_warm_lead)
+                .checked_sub(lead(t, c))
                 .unwrap_or(touch)
         });
     let evict = t

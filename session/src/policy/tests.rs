@@ -535,3 +535,39 @@ fn past_her_longest_silence_ski_rental_decides() {
     t.keep_warm_cost = rewrite;
     assert_eq!(decide(&t, now, &c), Decision::Continue);
 }
+
+#[test]
+fn after_a_refresh_the_next_fires_closer_to_the_expiry() {
+    let now = Instant::now();
+    for ttl in [Ttl::FiveMinutes, Ttl::OneHour] {
+        let c = PolicyConfig {
+            keep_warm: true,
+            ..PolicyConfig::for_ttl(ttl)
+        };
+        assert!(c.refresh_lead < c.keep_warm_lead, "{ttl:?}");
+        let mut t = base(now);
+        t.batch_waiting = false;
+        t.after_turn(&crate::cost::Usage::default(), Outcome::Ok, now, &c.prices);
+        t.prefix_tokens = 30_000;
+        // After a turn (touched when it was done): the long lead.
+        let first = next_check(&t, &c, None).unwrap();
+        assert_eq!(first, now + c.ttl.duration() - c.keep_warm_lead, "{ttl:?}");
+        // A refresh touched at its start: the next fires `refresh_lead` before the expiry,
+        // so each refresh buys more of the TTL.
+        t.after_keep_warm(0.01, first);
+        let second = next_check(&t, &c, None).unwrap();
+        assert_eq!(second, first + c.ttl.duration() - c.refresh_lead, "{ttl:?}");
+        // A turn sets it back.
+        t.after_turn(
+            &crate::cost::Usage::default(),
+            Outcome::Ok,
+            second,
+            &c.prices,
+        );
+        t.prefix_tokens = 30_000;
+        assert_eq!(
+            next_check(&t, &c, None).unwrap(),
+            second + c.ttl.duration() - c.keep_warm_lead
+        );
+    }
+}
