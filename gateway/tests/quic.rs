@@ -236,6 +236,34 @@ async fn a_client_that_does_not_read_is_cut_off_and_does_not_hold_up_the_others(
     );
 }
 
+/// What a client past its rate (a burst of 3) reads before its session ends.
+#[derive(Default)]
+struct Told {
+    pages: usize,
+    refused: usize,
+}
+
+impl Told {
+    /// Counts one message; the error that ended the session passes through.
+    fn take(&mut self, m: Result<Message, ClientError>) -> Result<(), ClientError> {
+        match m? {
+            Message::DocumentPutRaw(_) => self.pages += 1,
+            Message::Error(e) => {
+                assert!(e.error.contains("rate limit"), "{}", e.error);
+                self.refused += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        Ok(())
+    }
+
+    /// A burst's worth served, then the refusals that told it.
+    fn check(&self) {
+        assert_eq!(self.pages, 3, "a burst's worth is served");
+        assert!(self.refused >= 3, "refused {}", self.refused);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
     let tmp = state_dir("rate");
@@ -254,20 +282,13 @@ async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
             break;
         }
     }
-    let (mut pages, mut refused) = (0, 0);
+    let mut told = Told::default();
     let ended = loop {
-        match flooder.next_message().await {
-            Ok(Message::DocumentPutRaw(_)) => pages += 1,
-            Ok(Message::Error(e)) => {
-                assert!(e.error.contains("rate limit"), "{}", e.error);
-                refused += 1;
-            }
-            Ok(other) => panic!("unexpected {other:?}"),
-            Err(e) => break e,
+        if let Err(e) = told.take(flooder.next_message().await) {
+            break e;
         }
     };
-    assert_eq!(pages, 3, "a burst's worth is served");
-    assert!(refused >= 3, "refused {refused}");
+    told.check();
     match ended {
         ClientError::Refused(why) => assert!(why.contains("limits exceeded"), "{why}"),
         other => panic!("the connection ended otherwise: {other:?}"),
@@ -296,20 +317,13 @@ async fn an_rudp_client_past_its_rate_reads_its_answers_then_the_reason() {
     for i in 0..20 {
         flooder.send_raw(raw_pending(i)).await.unwrap();
     }
-    let (mut pages, mut refused) = (0, 0);
+    let mut told = Told::default();
     let ended = loop {
-        match flooder.next_message().await {
-            Ok(Message::DocumentPutRaw(_)) => pages += 1,
-            Ok(Message::Error(e)) => {
-                assert!(e.error.contains("rate limit"), "{}", e.error);
-                refused += 1;
-            }
-            Ok(other) => panic!("unexpected {other:?}"),
-            Err(e) => break e,
+        if let Err(e) = told.take(flooder.next_message().await) {
+            break e;
         }
     };
-    assert_eq!(pages, 3, "a burst's worth is served");
-    assert!(refused >= 3, "refused {refused}");
+    told.check();
     match ended {
         ClientError::Closed(wire::error::CloseReason::Peer(why)) => {
             assert!(why.contains("rate limit"), "{why}");
