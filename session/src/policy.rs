@@ -91,9 +91,10 @@ impl PolicyConfig {
     /// where it never fired, and cost 3% more on quiet operator DMs; unpredicted, it cost up to
     /// 1.8x what none did.
     ///
-    /// The refresh lead is a tenth of the TTL, at most a minute: with 5 minutes, a 60 s lead
-    /// bought 240 s per refresh and 30 s buys 270 s; on the reference workload that was 150
-    /// refreshes -> 127 and 8% of the whole cost (a 15 s lead saved no more).
+    /// The first refresh after a turn fires a tenth of the TTL before the expiry, at most a
+    /// minute: with 5 minutes, a 60 s lead bought 240 s per refresh and 30 s buys 270 s; on
+    /// the reference workload that was 150 refreshes -> 127 and 8% of the whole cost. Later
+    /// refreshes, reckoned from their own start, fire `refresh_lead` (10 s) before it.
     pub fn for_ttl(ttl: Ttl) -> Self {
         let defaults = Self::default();
         Self {
