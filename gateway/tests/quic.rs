@@ -236,6 +236,13 @@ async fn a_client_that_does_not_read_is_cut_off_and_does_not_hold_up_the_others(
     );
 }
 
+/// The rate tests' limits: a burst of 3, then one request a second.
+const BURST_OF_3: ClientLimits = ClientLimits {
+    requests_per_sec: 1.0,
+    burst: 3.0,
+    max_in_flight: 16,
+};
+
 /// What a client past its rate (a burst of 3) reads before its session ends.
 #[derive(Default)]
 struct Told {
@@ -269,12 +276,7 @@ async fn a_client_past_its_rate_is_told_then_disconnected_with_the_reason() {
     let tmp = state_dir("rate");
     let dir = tmp.path();
     let key = SigningKey::from_bytes(&[21; 32]);
-    let limits = ClientLimits {
-        requests_per_sec: 1.0,
-        burst: 3.0,
-        max_in_flight: 16,
-    };
-    let (addr, cert, _) = gateway_with(dir, &key, limits).await;
+    let (addr, cert, _) = gateway_with(dir, &key, BURST_OF_3).await;
     let mut flooder = far(addr, &cert, &key).await.unwrap();
     // Many more than a burst's worth at once: answered, then refused, then cut off.
     for i in 0..20 {
@@ -302,12 +304,7 @@ async fn an_rudp_client_past_its_rate_reads_its_answers_then_the_reason() {
     let tmp = state_dir("rate-rudp");
     let dir = tmp.path();
     let key = SigningKey::from_bytes(&[21; 32]);
-    let limits = ClientLimits {
-        requests_per_sec: 1.0,
-        burst: 3.0,
-        max_in_flight: 16,
-    };
-    let (_, _, rudp) = gateway_with(dir, &key, limits).await;
+    let (_, _, rudp) = gateway_with(dir, &key, BURST_OF_3).await;
     let mut flooder =
         gateway::client::Client::connect(rudp, "far-organ", &key, Duration::from_secs(10))
             .await

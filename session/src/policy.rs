@@ -104,6 +104,11 @@ impl PolicyConfig {
         }
     }
 
+    /// The lead after a refresh (never longer than the one after a turn).
+    pub fn lead_after_refresh(&self) -> Duration {
+        self.refresh_lead.min(self.keep_warm_lead)
+    }
+
     /// Where the CLI starts refusing turns.
     pub fn blocking_limit(&self) -> u64 {
         self.context_window.saturating_sub(self.blocking_margin)
@@ -355,7 +360,7 @@ pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
 /// How long before the reckoned expiry the next refresh fires.
 fn lead(t: &Telemetry, c: &PolicyConfig) -> Duration {
     if t.touched_by_refresh {
-        c.refresh_lead.min(c.keep_warm_lead)
+        c.lead_after_refresh()
     } else {
         c.keep_warm_lead
     }
@@ -390,10 +395,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
         .floor()
         .clamp(1.0, 1e4) as u32;
     // Every later refresh follows a refresh.
-    let period = c
-        .ttl
-        .duration()
-        .saturating_sub(c.refresh_lead.min(c.keep_warm_lead));
+    let period = c.ttl.duration().saturating_sub(c.lead_after_refresh());
     match t
         .gaps
         .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
