@@ -34,6 +34,10 @@
 //!   disconnected too. The others are not affected.
 //! - Connect refusals are logged at most once per source address per 10 s and 10 a second in
 //!   all ([`limits::RefusalLog`]); a replayed nonce is refused before its signature is checked.
+//! - Stopping loses no answer in flight, within a bound: the sends and verbs running answer
+//!   (at most 2.5 s; meanwhile new requests are answered `failed`, retry later, and Connects
+//!   refused), then each RUDP session delivers what is queued and ends with the reason (at
+//!   most 1.5 s more).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -472,7 +476,7 @@ impl Service {
             Verdict::Allow => {}
             Verdict::Refuse => {
                 self.count_limited("rate");
-                return self.over_limit(
+                return self.retry_later(
                     frame,
                     format!(
                         "rate limit: {} requests/s (burst {}); retry later",
@@ -493,9 +497,10 @@ impl Service {
         self.handle_allowed(peer, &agent, frame, &in_flight)
     }
 
-    /// The answer to a request over its client's limits: its receipt with status `failed` (or
-    /// an error for requests without a status); nothing for what is not a request.
-    fn over_limit(&self, frame: &Frame, why: String) -> Vec<Answer> {
+    /// The answer to a request that cannot be taken now (its client is over a limit, the
+    /// gateway is stopping): its receipt with status `failed` (or an error for requests without
+    /// a status); nothing for what is not a request.
+    fn retry_later(&self, frame: &Frame, why: String) -> Vec<Answer> {
         let Ok(Message::DocumentPutRaw(put)) = Message::decode(&frame.payload) else {
             return Vec::new();
         };
@@ -1288,11 +1293,14 @@ pub async fn serve_updating(
     mut updates: Option<mpsc::Receiver<Update>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let tasks = service
-        .tasks
-        .clone()
-        .unwrap_or_else(tokio::runtime::Handle::current);
-    let sends = Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT));
+    let tasks = Tasks {
+        runtime: service
+            .tasks
+            .clone()
+            .unwrap_or_else(tokio::runtime::Handle::current),
+        sends: Arc::new(tokio::sync::Semaphore::new(MAX_SENDS_IN_FLIGHT)),
+        running: Arc::new(()),
+    };
     let mut quic: HashMap<SocketAddr, QuicPeer> = HashMap::new();
     let mut out: Vec<(Sink, Answer)> = Vec::new();
     let mut unread: Vec<SocketAddr> = Vec::new();
@@ -1349,7 +1357,6 @@ pub async fn serve_updating(
                 &tasks,
                 &mut endpoint,
                 &sink,
-                &sends,
                 answer,
                 flushed.is_ok(),
             ) {
@@ -1361,9 +1368,111 @@ pub async fn serve_updating(
         }
         endpoint.flush().await;
     }
-    // Clients learn why their session ends (RUDP; QUIC connections close with the endpoint).
-    for peer in service.peer_addrs() {
-        endpoint.disconnect(peer, "the gateway is shutting down");
+    drain(&mut service, &mut endpoint, &mut remote, &quic, &tasks).await;
+}
+
+/// Why a stopping service's clients are turned away, and its sessions end.
+const SHUTTING_DOWN: &str = "the gateway is shutting down";
+/// How long a stopping service waits for the answers of the sends and verbs in flight.
+const DRAIN_TASKS: std::time::Duration = std::time::Duration::from_millis(2500);
+/// How long it then drives its sessions' last answers (a session's own linger is shorter).
+const DRAIN_SESSIONS: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// Stops without losing the answers in flight, bounded in time: the sends and verbs running
+/// on tasks answer (new requests are answered `failed`, retry later; new Connects refused),
+/// then every RUDP session is finished (its queued answers delivered, then a Disconnect with
+/// the reason) and driven until it ends. QUIC connections close with their own endpoint.
+async fn drain(
+    service: &mut Service,
+    endpoint: &mut Endpoint,
+    remote: &mut Option<mpsc::Receiver<Remote>>,
+    quic: &HashMap<SocketAddr, QuicPeer>,
+    tasks: &Tasks,
+) {
+    let until = tokio::time::Instant::now() + DRAIN_TASKS;
+    while tasks.answering() > 0 && tokio::time::Instant::now() < until {
+        closing_round(service, endpoint, remote, quic).await;
+    }
+    if tasks.answering() > 0 {
+        tracing::warn!(
+            unanswered = tasks.answering(),
+            "CultNet service stopping with sends or verbs still unanswered"
+        );
+    }
+    let peers: Vec<SocketAddr> = service
+        .peer_addrs()
+        .into_iter()
+        .filter(|p| endpoint.has_session(*p))
+        .collect();
+    for peer in &peers {
+        endpoint.finish(*peer, SHUTTING_DOWN);
+    }
+    let until = tokio::time::Instant::now() + DRAIN_SESSIONS;
+    while peers.iter().any(|p| endpoint.has_session(*p)) && tokio::time::Instant::now() < until {
+        closing_round(service, endpoint, remote, quic).await;
+    }
+    for peer in peers {
+        endpoint.disconnect(peer, SHUTTING_DOWN);
+    }
+    endpoint.flush().await;
+}
+
+/// One round of a stopping service: waits for work (or a short tick, so the caller can see
+/// tasks end), turns new requests and Connects away, sends what tasks answered.
+async fn closing_round(
+    service: &mut Service,
+    endpoint: &mut Endpoint,
+    remote: &mut Option<mpsc::Receiver<Remote>>,
+    quic: &HashMap<SocketAddr, QuicPeer>,
+) {
+    let from_quic = async {
+        match remote.as_mut() {
+            Some(rx) => rx.recv().await,
+            None => std::future::pending().await,
+        }
+    };
+    let mut turned_away = Vec::new();
+    tokio::select! {
+        () = endpoint.ready() => {}
+        r = from_quic => match r {
+            Some(Remote::Connect { verdict, .. }) => {
+                let _ = verdict.send(Err(SHUTTING_DOWN.to_owned()));
+            }
+            Some(Remote::Frame { peer, payload }) => {
+                if let Some(to) = quic.get(&peer) {
+                    let frame = Frame { channel: Arc::from(CHANNEL), payload };
+                    turned_away.push((Sink::Quic(peer, to.out.clone()), frame));
+                }
+            }
+            Some(Remote::Gone { peer, .. }) => service.forget(peer),
+            None => *remote = None,
+        },
+        () = tokio::time::sleep(std::time::Duration::from_millis(10)) => {}
+    }
+    endpoint.pump();
+    while let Some(event) = endpoint.poll_event() {
+        match event {
+            EndpointEvent::Hub(HubEvent::ConnectRequest(req)) => {
+                endpoint.refuse(req, SHUTTING_DOWN);
+            }
+            EndpointEvent::Hub(HubEvent::Frame { peer, frame })
+                if service.peers.contains_key(&peer) =>
+            {
+                turned_away.push((Sink::Rudp(peer), frame));
+            }
+            EndpointEvent::Hub(HubEvent::Disconnected { peer, .. }) => service.forget(peer),
+            EndpointEvent::SendFailed { peer, error } => {
+                tracing::debug!(%peer, "answer not sent while stopping: {error}");
+            }
+            _ => {}
+        }
+    }
+    for (sink, frame) in turned_away {
+        for answer in service.retry_later(&frame, format!("{SHUTTING_DOWN}; retry later")) {
+            if let Answer::Reply(bytes) = answer {
+                let _ = sink.send(endpoint, bytes);
+            }
+        }
     }
     endpoint.flush().await;
 }
@@ -1497,13 +1606,28 @@ fn remote_event(
     }
 }
 
+/// Where the loop runs the answers that wait (sends, verbs, read receipts), and what it knows
+/// of them: a send takes one of [`MAX_SENDS_IN_FLIGHT`] permits; every send and verb holds a
+/// clone of `running` until its answer is queued, so a stopping loop can wait for them.
+struct Tasks {
+    runtime: tokio::runtime::Handle,
+    sends: Arc<tokio::sync::Semaphore>,
+    running: Arc<()>,
+}
+
+impl Tasks {
+    /// Sends and verbs whose answers are not queued yet.
+    fn answering(&self) -> usize {
+        Arc::strong_count(&self.running) - 1
+    }
+}
+
 /// Carries out one answer: queued at once, or handed to a task of its own (a send, a verb).
 fn run_answer(
     runtime_id: &str,
-    tasks: &tokio::runtime::Handle,
+    tasks: &Tasks,
     endpoint: &mut Endpoint,
     sink: &Sink,
-    sends: &Arc<tokio::sync::Semaphore>,
     answer: Answer,
     flushed: bool,
 ) -> Result<(), Unread> {
@@ -1523,7 +1647,7 @@ fn run_answer(
             mouth,
             slot,
         } => {
-            let Ok(permit) = sends.clone().try_acquire_owned() else {
+            let Ok(permit) = tasks.sends.clone().try_acquire_owned() else {
                 // Back-pressure instead of an unbounded pile of tasks; `failed` = retry later.
                 let receipt = SendReceipt {
                     request_id: request.request_id,
@@ -1538,12 +1662,15 @@ fn run_answer(
             };
             let sink = sink.detach(endpoint);
             let runtime_id = runtime_id.to_owned();
-            tasks.spawn(async move {
+            let running = tasks.running.clone();
+            tasks.runtime.spawn(async move {
                 let receipt = mouth.send(&request).await;
                 drop(permit);
                 drop(slot);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);
                 sink.send(bytes).await;
+                // Held (and moved in) until the answer is queued: see `Tasks::answering`.
+                drop(running);
             });
         }
         Answer::Control {
@@ -1554,7 +1681,8 @@ fn run_answer(
         } => {
             let sink = sink.detach(endpoint);
             let runtime_id = runtime_id.to_owned();
-            tasks.spawn(async move {
+            let running = tasks.running.clone();
+            tasks.runtime.spawn(async move {
                 let receipt = receipt.await.unwrap_or_else(|_| ControlReceipt {
                     persona: request.persona,
                     action: request.action,
@@ -1565,6 +1693,7 @@ fn run_answer(
                 drop(slot);
                 let bytes = receipt_bytes(&runtime_id, ids::CONTROL_RECEIPT, &record_key, &receipt);
                 sink.send(bytes).await;
+                drop(running);
             });
         }
         Answer::ReadReceipt {
@@ -1572,7 +1701,9 @@ fn run_answer(
             room_id,
             event_id,
         } => {
-            tasks.spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
+            tasks
+                .runtime
+                .spawn(async move { mouth.read_receipt(&room_id, &event_id).await });
         }
     }
     Ok(())

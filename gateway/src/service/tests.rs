@@ -862,3 +862,104 @@ async fn a_superseded_connect_whose_successor_is_refused_leaves_no_peer() {
     stop_tx.send(true).unwrap();
     serving.await.unwrap();
 }
+
+/// A service told to stop lets the verb in flight answer (its client gets the receipt), tells
+/// a request made meanwhile to retry later, then ends each session with the reason, within
+/// its bound. Before, it closed the sessions at once and the verb's receipt was lost.
+#[tokio::test]
+async fn a_stopping_service_answers_what_is_in_flight_then_says_why() {
+    use wire::docs::{ControlAction, ControlReceipt, ControlRequest, TurnReceipt};
+    let mut f = fixture("drain");
+    f.svc.clients.insert(
+        "ops".into(),
+        (
+            key(3).verifying_key(),
+            client("ops", 3, &["mira"], &[Verb::Session]),
+        ),
+    );
+    let (controls, mut queued) = mpsc::channel(1);
+    f.svc.ports.get_mut("mira").unwrap().controls = Some(controls);
+    let endpoint = Endpoint::bind(crate::endpoint::EndpointConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        11,
+    ))
+    .await
+    .unwrap();
+    let server = endpoint.local_addr();
+    let (stop_tx, stop) = watch::channel(false);
+    let serving = tokio::spawn(serve(f.svc, endpoint, stop));
+    let wait = Duration::from_secs(10);
+    let mut ops = crate::client::Client::connect(server, "ops", &key(3), wait)
+        .await
+        .unwrap();
+    let mut heartbeat = crate::client::Client::connect(server, "heartbeat", &key(2), wait)
+        .await
+        .unwrap();
+
+    let verb = tokio::spawn(async move {
+        let req = ControlRequest {
+            persona: "mira".into(),
+            action: ControlAction::Reset,
+            model: None,
+        };
+        let receipt = ops
+            .request::<_, ControlReceipt>(ids::CONTROL_REQUEST, "c1", &req)
+            .await;
+        (receipt, ops.next_message().await)
+    });
+    let control = tokio::time::timeout(wait, queued.recv())
+        .await
+        .unwrap()
+        .expect("the verb reached her turn loop");
+    let stopped_at = std::time::Instant::now();
+    stop_tx.send(true).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let turn: TurnReceipt = heartbeat
+        .request(
+            ids::TURN_REQUEST,
+            "t1",
+            &TurnRequest {
+                persona: "mira".into(),
+                ..TurnRequest::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(turn.status, Status::Failed, "{turn:?}");
+    assert!(
+        turn.error
+            .as_deref()
+            .unwrap_or("")
+            .contains("shutting down"),
+        "{turn:?}"
+    );
+
+    control
+        .reply
+        .send(ControlReceipt {
+            persona: "mira".into(),
+            action: ControlAction::Reset,
+            status: Status::Ok,
+            ..ControlReceipt::default()
+        })
+        .unwrap();
+    let (receipt, after) = verb.await.unwrap();
+    let receipt = receipt.expect("the verb in flight was answered");
+    assert_eq!(receipt.status, Status::Ok, "{receipt:?}");
+    match after {
+        Err(crate::client::ClientError::Closed(reason)) => {
+            assert!(
+                format!("{reason:?}").contains("shutting down"),
+                "{reason:?}"
+            );
+        }
+        other => panic!("the session should end with the reason: {other:?}"),
+    }
+    tokio::time::timeout(wait, serving).await.unwrap().unwrap();
+    let took = stopped_at.elapsed();
+    assert!(
+        took < DRAIN_TASKS + DRAIN_SESSIONS + Duration::from_secs(1),
+        "stopping took {took:?}"
+    );
+}
