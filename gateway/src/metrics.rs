@@ -88,6 +88,11 @@ pub struct Metrics {
     pub clients_cut_off: Family<ReasonLabel, Counter>,
 }
 
+/// The limits a request can be refused for ([`Metrics::limited`]).
+const LIMITED_REASONS: &[&str] = &["rate", "in_flight"];
+/// The limits a client can be cut off for ([`Metrics::cut_off`]).
+const CUT_OFF_REASONS: &[&str] = &["rate", "unread"];
+
 fn seconds_histogram() -> Histogram {
     // 5 ms .. ~164 s.
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
@@ -95,7 +100,7 @@ fn seconds_histogram() -> Histogram {
 
 impl Metrics {
     fn new() -> Self {
-        Self {
+        let m = Self {
             turns: Family::default(),
             turn_seconds: Family::new_with_constructor(seconds_histogram),
             tokens: Family::default(),
@@ -108,7 +113,25 @@ impl Metrics {
             peers: Gauge::default(),
             requests_limited: Family::default(),
             clients_cut_off: Family::default(),
+        };
+        // Every limit's series exists from the start at 0, so a dashboard shows a flat line,
+        // not "no data", and a rate over the first cut-off is right.
+        for (family, reasons) in m.limit_families() {
+            for reason in reasons.iter() {
+                let _ = family.get_or_create(&ReasonLabel {
+                    reason: (*reason).to_owned(),
+                });
+            }
         }
+        m
+    }
+
+    /// The families counted by limit, each with every limit it can be counted for.
+    fn limit_families(&self) -> [(&Family<ReasonLabel, Counter>, &'static [&'static str]); 2] {
+        [
+            (&self.requests_limited, LIMITED_REASONS),
+            (&self.clients_cut_off, CUT_OFF_REASONS),
+        ]
     }
 
     /// Counts a finished turn.
@@ -603,6 +626,20 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_limit_series_exists_at_zero_from_the_start() {
+        let m = Metrics::new();
+        for (family, reasons) in m.limit_families() {
+            for reason in reasons.iter() {
+                let label = ReasonLabel {
+                    reason: (*reason).to_owned(),
+                };
+                let count = family.get(&label).map(|c| c.get());
+                assert_eq!(count, Some(0), "{reason}");
+            }
+        }
+    }
 
     #[test]
     fn the_registry_encodes_events_and_state() {
