@@ -502,6 +502,15 @@ fn ttl_name(ttl: Ttl) -> &'static str {
     }
 }
 
+/// How a schedule bridges a gap longer than the TTL.
+#[derive(Clone, Copy, Debug)]
+enum Bridge {
+    /// Knowing the gap: refreshes through it or a rewrite, whichever is cheaper.
+    Hindsight,
+    /// Not knowing it: a refresh at each of the first `n` expiries, then let it expire.
+    Threshold(u64),
+}
+
 /// The cost model shared by our schedule and the optimum.
 struct Model {
     ttl: u64,
@@ -533,13 +542,32 @@ impl Model {
     /// Bringing a `prefix` back after `gap` seconds: a read if warm, else the cheaper of a
     /// rewrite or enough refreshes to keep it warm (the optimum's choice; ours is given).
     fn reach(&self, prefix: u64, gap: u64) -> f64 {
+        self.bridge(prefix, gap, Bridge::Hindsight)
+    }
+
+    /// What the refreshes made during `gap` cost when the prefix is then dropped (a fresh
+    /// start): none in hindsight, the threshold's (or fewer, if the gap ended first) otherwise.
+    fn refreshed(&self, prefix: u64, gap: u64, how: Bridge) -> f64 {
+        match how {
+            Bridge::Hindsight => 0.0,
+            Bridge::Threshold(n) => (gap / self.ttl).min(n) as f64 * self.refresh(prefix),
+        }
+    }
+
+    /// Bringing a `prefix` back after `gap` seconds, bridged `how`.
+    fn bridge(&self, prefix: u64, gap: u64, how: Bridge) -> f64 {
         let read = Prices::dollars(prefix, self.p.cache_read);
         if gap < self.ttl {
             return read;
         }
-        let refreshes = gap / self.ttl;
-        let kept = refreshes as f64 * self.refresh(prefix) + read;
-        kept.min(Prices::dollars(prefix, self.w))
+        let expiries = gap / self.ttl;
+        let kept = expiries as f64 * self.refresh(prefix) + read;
+        let rewrite = Prices::dollars(prefix, self.w);
+        match how {
+            Bridge::Hindsight => kept.min(rewrite),
+            Bridge::Threshold(n) if expiries <= n => kept,
+            Bridge::Threshold(n) => n as f64 * self.refresh(prefix) + rewrite,
+        }
     }
 
     /// A compaction of `prefix` reached with `reach` dollars: the summary as output, then base
@@ -651,6 +679,24 @@ impl Model {
     /// having kept the prefix warm), start fresh, or compact. Dynamic programming over the last
     /// reset and its kind; the first turn always starts fresh.
     fn optimum(&self, steps: &[Step]) -> f64 {
+        self.optimum_with(steps, Bridge::Hindsight)
+    }
+
+    /// The best one keep-warm threshold could do on these gaps: the number of expiries to
+    /// refresh through (then let the cache expire) chosen in hindsight for the whole run, each
+    /// gap not known in advance, resets still chosen in hindsight. For gaps drawn from one
+    /// distribution, a threshold is the best any rule that knows the distribution but not
+    /// each gap can do, so its distance to [`Model::optimum`] is the price of not knowing the
+    /// gaps, which no online keep-warm rule avoids. Returns the threshold and its cost.
+    fn best_threshold(&self, steps: &[Step]) -> (u64, f64) {
+        let longest = steps.iter().map(|s| s.gap / self.ttl).max().unwrap_or(0);
+        (0..=longest)
+            .map(|n| (n, self.optimum_with(steps, Bridge::Threshold(n))))
+            .fold((0, f64::INFINITY), |a, b| if b.1 < a.1 { b } else { a })
+    }
+
+    /// [`Model::optimum`] with every gap bridged `how`.
+    fn optimum_with(&self, steps: &[Step], how: Bridge) -> f64 {
         let n = steps.len();
         if n == 0 {
             return 0.0;
@@ -683,8 +729,11 @@ impl Model {
                         answer = answer.min(cost);
                         break;
                     }
-                    let reach = self.reach(prefix, steps[k].gap);
-                    best[k][0] = best[k][0].min(cost);
+                    let reach = self.bridge(prefix, steps[k].gap, how);
+                    // A fresh start drops the prefix; the refreshes a rule not knowing
+                    // the gap made before it are paid all the same.
+                    let refreshed = self.refreshed(prefix, steps[k].gap, how);
+                    best[k][0] = best[k][0].min(cost + refreshed);
                     best[k][1] = best[k][1].min(cost + self.compaction(reach));
                     cost += reach + Prices::dollars(steps[k].growth, self.w);
                     prefix += steps[k].growth;
@@ -839,6 +888,20 @@ fn optimum_ratio(r: &Report, ttl: Ttl) -> f64 {
     m.ours(&r.steps) / m.optimum(&r.steps)
 }
 
+/// The best keep-warm threshold in hindsight (expiries refreshed through) and its cost over
+/// the optimum's.
+fn threshold_ratio(r: &Report, ttl: Ttl) -> (u64, f64) {
+    let m = model_for(r, ttl);
+    let (n, cost) = m.best_threshold(&r.steps);
+    let optimum = m.optimum(&r.steps);
+    // Each gap's threshold bridge is one of the optimum's choices for it.
+    assert!(
+        cost >= optimum - 1e-9,
+        "threshold {cost} below optimum {optimum}"
+    );
+    (n, cost / optimum)
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -889,8 +952,9 @@ fn main() {
                 print(&resume, &rebuild);
                 let live_r = live(&run, KeepWarm::Predictive).await;
                 print(&live_r, &rebuild);
+                let (n, by_threshold) = threshold_ratio(&live_r, ttl);
                 println!(
-                    "  {:36} schedule vs hindsight optimum (keep-warm included): {:.3}x; summaries {:?}",
+                    "  {:36} schedule vs hindsight optimum (keep-warm included): {:.3}x; best one threshold in hindsight ({n} refreshes): {by_threshold:.3}x; summaries {:?}",
                     "",
                     optimum_ratio(&live_r, ttl),
                     live_r.summaries
@@ -955,6 +1019,18 @@ fn main() {
                 r.workload, off.cost, plain.cost, plain.keep_warm, r.live.cost, r.live.keep_warm
             );
         }
+    }
+    println!();
+    println!("| workload | TTL | live / optimum | best one threshold / optimum | its threshold (refreshes in a silence) |");
+    println!("|---|---|---|---|---|");
+    for r in &rows {
+        let (n, by_threshold) = threshold_ratio(&r.live, r.ttl);
+        println!(
+            "| {} | {} | {:.3}x | {by_threshold:.3}x | {n} |",
+            r.workload,
+            ttl_name(r.ttl),
+            optimum_ratio(&r.live, r.ttl)
+        );
     }
     let summaries: Vec<u64> = rows.iter().flat_map(|r| r.live.summaries.clone()).collect();
     println!();
