@@ -60,6 +60,13 @@ pub const ANSWER_QUEUE_BYTES: usize = 2 * crate::service::MAX_REPLY_BYTES as usi
 pub const GOODBYE_WAIT: Duration = Duration::from_secs(1);
 /// Bytes a client may have in flight towards the gateway, per stream and per connection.
 pub const RECEIVE_WINDOW: u32 = 256 * 1024;
+/// How long a stopping gateway waits for its connections to end on their own: the service's
+/// drain (its answers in flight), then each connection's last answers ([`GOODBYE_WAIT`]).
+pub const DRAIN_WAIT: Duration = crate::service::DRAIN
+    .saturating_add(GOODBYE_WAIT)
+    .saturating_add(Duration::from_millis(500));
+/// The reason a connection closed by a stopping gateway is given.
+const SHUTTING_DOWN: &[u8] = b"the gateway is shutting down";
 
 /// QUIC setup failures.
 #[derive(Debug, thiserror::Error)]
@@ -291,6 +298,10 @@ pub fn client_config(pinned: &CertificateDer<'static>) -> Result<quinn::ClientCo
 }
 
 /// Accepts connections until `stop`, each bridged into the service loop through `remote`.
+///
+/// Then takes no new ones, and lets those open end on their own (the service answers what is
+/// in flight and lets go of each; each gets its last answers, then the reason), for at most
+/// [`DRAIN_WAIT`], before the endpoint is closed.
 pub async fn accept(
     endpoint: quinn::Endpoint,
     remote: mpsc::Sender<Remote>,
@@ -318,20 +329,47 @@ pub async fn accept(
             continue;
         };
         let remote = remote.clone();
+        let stop = stop.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            if let Err(e) = connection(incoming, remote, pre).await {
+            if let Err(e) = connection(incoming, remote, pre, stop).await {
                 tracing::debug!("QUIC connection ended: {e}");
             }
         });
     }
-    endpoint.close(0u32.into(), b"gateway stopping");
+    // Draining: new connections are refused at once (not left to time out) while the open
+    // ones end on their own.
+    let all = u32::try_from(MAX_CONNECTIONS).unwrap_or(u32::MAX);
+    let drained = connections.acquire_many(all);
+    tokio::pin!(drained);
+    let deadline = tokio::time::sleep(DRAIN_WAIT);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            _ = &mut drained => break,
+            () = &mut deadline => {
+                tracing::warn!(
+                    open = MAX_CONNECTIONS - connections.available_permits(),
+                    "QUIC connections still open after {DRAIN_WAIT:?}: closed"
+                );
+                break;
+            }
+            incoming = endpoint.accept() => match incoming {
+                Some(incoming) => incoming.refuse(),
+                None => break,
+            },
+        }
+    }
+    endpoint.close(2u32.into(), SHUTTING_DOWN);
+    // The close frames go out before the process ends.
+    let _ = tokio::time::timeout(GOODBYE_WAIT, endpoint.wait_idle()).await;
 }
 
 async fn connection(
     incoming: quinn::Incoming,
     remote: mpsc::Sender<Remote>,
     pre_auth: tokio::sync::OwnedSemaphorePermit,
+    stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let mut frames = FrameDecoder::new(PRE_AUTH_FRAME);
     // Handshake, stream and Connect frame, all within CONNECT_WAIT, read in small pieces.
@@ -394,24 +432,35 @@ async fn connection(
         }
         // The service let go of this peer (it broke its limits). Its last answers (the
         // refusals that told it) are delivered first: closing at once would drop them.
+        // A stopping service lets go of every peer.
+        let why: &[u8] = if *stop.borrow() {
+            SHUTTING_DOWN
+        } else {
+            b"closed by the gateway: limits exceeded"
+        };
         if send.finish().is_ok() {
             let _ = tokio::time::timeout(GOODBYE_WAIT, send.stopped()).await;
         }
-        closing.close(2u32.into(), b"closed by the gateway: limits exceeded");
+        closing.close(2u32.into(), why);
     });
-    let ended = loop {
+    let (ended, service_gone) = loop {
         match next_frame(&mut recv, &mut frames, 64 * 1024).await {
             Ok(Some(payload)) => {
                 if remote.send(Remote::Frame { peer, payload }).await.is_err() {
-                    break Ok(());
+                    break (Ok(()), true);
                 }
             }
-            Ok(None) => break Ok(()),
-            Err(e) => break Err(e),
+            Ok(None) => break (Ok(()), false),
+            Err(e) => break (Err(e), false),
         }
     };
-    let _ = remote.send(Remote::Gone { peer, id }).await;
-    writer.abort();
+    if service_gone {
+        // The service has stopped: the writer delivers what it queued, then closes.
+        let _ = tokio::time::timeout(GOODBYE_WAIT * 2, writer).await;
+    } else {
+        let _ = remote.send(Remote::Gone { peer, id }).await;
+        writer.abort();
+    }
     ended
 }
 

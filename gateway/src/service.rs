@@ -1377,6 +1377,8 @@ const SHUTTING_DOWN: &str = "the gateway is shutting down";
 const DRAIN_TASKS: std::time::Duration = std::time::Duration::from_millis(2500);
 /// How long it then drives its sessions' last answers (a session's own linger is shorter).
 const DRAIN_SESSIONS: std::time::Duration = std::time::Duration::from_millis(1500);
+/// How long a stopping service takes at most, from `stop` to its loop's end.
+pub const DRAIN: std::time::Duration = DRAIN_TASKS.saturating_add(DRAIN_SESSIONS);
 
 /// Stops without losing the answers in flight, bounded in time: the sends and verbs running
 /// on tasks answer (new requests are answered `failed`, retry later; new Connects refused),

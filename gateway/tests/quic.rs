@@ -30,12 +30,40 @@ async fn gateway(dir: &std::path::Path, key: &SigningKey) -> (SocketAddr, quic::
     (addr, cert)
 }
 
-/// As [`gateway`], with these per-client limits.
+/// As [`gateway`], with these per-client limits; the third address is the RUDP side's.
 async fn gateway_with(
     dir: &std::path::Path,
     key: &SigningKey,
     limits: ClientLimits,
 ) -> (SocketAddr, quic::Identity, SocketAddr) {
+    let g = start(dir, key, limits, Port::new("@mira:l", 1000)).await;
+    let (addr, cert, rudp) = (g.addr, g.cert, g.rudp);
+    // Runs until the test ends: nothing sends stop.
+    let (stop, serving) = (g.stop, g.serving);
+    tokio::spawn(async move {
+        let _ = serving.await;
+        drop(stop);
+    });
+    (addr, cert, rudp)
+}
+
+/// A running service with its QUIC side, and what stops it.
+struct Gateway {
+    addr: SocketAddr,
+    cert: quic::Identity,
+    rudp: SocketAddr,
+    stop: tokio::sync::watch::Sender<bool>,
+    accepting: tokio::task::JoinHandle<()>,
+    serving: tokio::task::JoinHandle<()>,
+}
+
+/// Starts the service (Mira on `port`, two deliveries pending) with a QUIC side.
+async fn start(
+    dir: &std::path::Path,
+    key: &SigningKey,
+    limits: ClientLimits,
+    port: Port,
+) -> Gateway {
     let inbox = Inbox::open(&dir.join("inbox")).unwrap();
     let d = |e: &str| Delivery {
         event_id: e.into(),
@@ -52,7 +80,7 @@ async fn gateway_with(
         &Verb::ALL,
     )];
     let mut ports = BTreeMap::new();
-    ports.insert("mira".to_owned(), Port::new("@mira:l", 1000));
+    ports.insert("mira".to_owned(), port);
     let service = Service::new(
         "gw-quic",
         GATEWAY_CONNECTION_ID,
@@ -73,13 +101,17 @@ async fn gateway_with(
     let addr = server.local_addr().unwrap();
     let rudp = endpoint.local_addr();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let (_stop_tx, stop) = tokio::sync::watch::channel(false);
-    tokio::spawn(quic::accept(server, tx, stop.clone()));
-    tokio::spawn(async move {
-        serve_with(service, endpoint, Some(rx), stop).await;
-        drop(_stop_tx);
-    });
-    (addr, quic::identity(None, None, dir).unwrap(), rudp)
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let accepting = tokio::spawn(quic::accept(server, tx, stop.clone()));
+    let serving = tokio::spawn(serve_with(service, endpoint, Some(rx), stop));
+    Gateway {
+        addr,
+        cert: quic::identity(None, None, dir).unwrap(),
+        rudp,
+        stop: stop_tx,
+        accepting,
+        serving,
+    }
 }
 
 async fn far(
@@ -340,4 +372,71 @@ fn pem_files_are_read_and_a_bad_one_is_refused() {
     assert_eq!(id.certs[0].as_ref(), made.cert.der().as_ref());
     std::fs::write(dir.join("bad.pem"), "not a certificate").unwrap();
     assert!(quic::identity(Some(&dir.join("bad.pem")), Some(&dir.join("k.pem")), dir).is_err());
+}
+
+/// Stopping lets a verb in flight answer over QUIC, turns new connections away, and closes
+/// each connection with the reason after its last answers (before, the endpoint closed at
+/// once: the answer was lost and the reason was a bare "gateway stopping").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_answers_the_verb_in_flight_then_closes_with_the_reason() {
+    use wire::docs::{ControlAction, ControlReceipt, ControlRequest, Status};
+    let tmp = state_dir("drain");
+    let key = SigningKey::from_bytes(&[23; 32]);
+    let (controls, mut queued) = tokio::sync::mpsc::channel(1);
+    let mut port = Port::new("@mira:l", 1000);
+    port.controls = Some(controls);
+    let g = start(tmp.path(), &key, ClientLimits::default(), port).await;
+    let mut ops = far(g.addr, &g.cert, &key).await.unwrap();
+    let verb = tokio::spawn(async move {
+        let req = ControlRequest {
+            persona: "mira".into(),
+            action: ControlAction::Reset,
+            model: None,
+        };
+        let receipt = ops
+            .request::<_, ControlReceipt>(ids::CONTROL_REQUEST, "c1", &req)
+            .await;
+        (receipt, ops.next_message().await)
+    });
+    let wait = Duration::from_secs(10);
+    let control = tokio::time::timeout(wait, queued.recv())
+        .await
+        .unwrap()
+        .expect("the verb reached her turn loop");
+    let stopped_at = std::time::Instant::now();
+    g.stop.send(true).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        far(g.addr, &g.cert, &key).await.is_err(),
+        "a stopping gateway takes no new connection"
+    );
+    control
+        .reply
+        .send(ControlReceipt {
+            persona: "mira".into(),
+            action: ControlAction::Reset,
+            status: Status::Ok,
+            ..ControlReceipt::default()
+        })
+        .unwrap();
+    let (receipt, after) = tokio::time::timeout(wait, verb).await.unwrap().unwrap();
+    let receipt = receipt.expect("the verb in flight was answered");
+    assert_eq!(receipt.status, Status::Ok, "{receipt:?}");
+    match after {
+        Err(ClientError::Refused(why)) => assert!(why.contains("shutting down"), "{why}"),
+        other => panic!("the connection should end with the reason: {other:?}"),
+    }
+    tokio::time::timeout(wait, g.serving)
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(wait, g.accepting)
+        .await
+        .unwrap()
+        .unwrap();
+    let took = stopped_at.elapsed();
+    assert!(
+        took < quic::DRAIN_WAIT + quic::GOODBYE_WAIT,
+        "stopping took {took:?}"
+    );
 }

@@ -224,9 +224,12 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     for r in std::mem::take(&mut running).into_values() {
         stopping.spawn(r.stop());
     }
-    let service_done = tokio::time::timeout(Duration::from_secs(5), async {
-        while tasks.join_next().await.is_some() {}
-    });
+    // The service drains (its answers in flight), then QUIC connections take their last
+    // answers and the endpoint closes: a bound on both, with room for the close to go out.
+    let service_done =
+        tokio::time::timeout(gateway::quic::DRAIN_WAIT + Duration::from_secs(2), async {
+            while tasks.join_next().await.is_some() {}
+        });
     let personas_done = async { while stopping.join_next().await.is_some() {} };
     let (_, _) = tokio::join!(personas_done, service_done);
     Ok(())
