@@ -711,6 +711,7 @@ impl TurnLoop {
             Ok(Turn {
                 compacted: Some(m),
                 result,
+                last_request_at,
                 ..
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
@@ -718,7 +719,7 @@ impl TurnLoop {
                 // The CLI bills a `/compact` as a local command (no usage); its boundary's
                 // post_tokens (the summary and what was kept) is what the compaction wrote.
                 self.telemetry
-                    .after_compact(m.post_tokens, m.post_tokens, Instant::now());
+                    .after_compact(m.post_tokens, m.post_tokens, last_request_at);
                 self.status.compactions += 1;
                 self.keep_learned(SUMMARIES, &self.telemetry.summaries);
             }
@@ -1034,8 +1035,13 @@ impl TurnLoop {
             self.mouth.read_receipt(room, event).await;
         }
         let usage = res.usage.usage();
-        self.telemetry
-            .after_turn(&usage, res.outcome(), Instant::now(), &self.prices);
+        self.telemetry.after_turn(
+            &usage,
+            res.outcome(),
+            turn.last_request_at,
+            Instant::now(),
+            &self.prices,
+        );
         let (first_seq, last_seq) = span.unwrap_or_default();
         let record = TurnRecord {
             first_seq,

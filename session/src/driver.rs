@@ -14,7 +14,7 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
@@ -141,6 +141,11 @@ pub struct Turn {
     pub reset: bool,
     /// The conversation was compacted during the turn: what the boundary reported.
     pub compacted: Option<proto::CompactMetadata>,
+    /// When the turn's last request to the API began, as near as the driver can tell and
+    /// never later: the turn's input written, or the tool result (or `api_retry`) after which
+    /// the CLI sent it. The cache entry it read lives a TTL from its read, not from the turn's
+    /// end (which comes after the whole reply has streamed).
+    pub last_request_at: Instant,
 }
 
 /// Who compacts a conversation that outgrows the window.
@@ -384,14 +389,15 @@ impl Cli {
 
     /// Sends one user message and waits for its result.
     pub async fn turn(&mut self, text: &str) -> Result<Turn, DriverError> {
+        let written = Instant::now();
         self.write(&proto::user_line(text)).await?;
         let timeout = self.cfg.turn_timeout;
-        match tokio::time::timeout(timeout, self.until_result()).await {
+        match tokio::time::timeout(timeout, self.until_result(written)).await {
             Ok(r) => r,
             Err(_) => {
                 warn!(?timeout, "turn timed out; interrupting");
                 self.control("interrupt").await?;
-                match tokio::time::timeout(self.cfg.grace, self.until_result()).await {
+                match tokio::time::timeout(self.cfg.grace, self.until_result(written)).await {
                     // The interrupted turn ended with its (error) result; the process lives on.
                     Ok(Ok(turn)) => Ok(turn),
                     Ok(Err(_)) | Err(_) => {
@@ -422,10 +428,14 @@ impl Cli {
         }
     }
 
-    async fn until_result(&mut self) -> Result<Turn, DriverError> {
+    /// Reads the turn's events up to its result; `written` is when its input was written.
+    async fn until_result(&mut self, written: Instant) -> Result<Turn, DriverError> {
         let mut retries = 0;
         let mut reset = false;
         let mut compacted = None;
+        let mut last_request_at = written;
+        // A tool result the CLI may answer with a new request (or end the turn with).
+        let mut tool_result_at = None;
         loop {
             match self.next_event().await? {
                 Event::Result(r) => {
@@ -437,11 +447,20 @@ impl Cli {
                         retries,
                         reset,
                         compacted,
+                        last_request_at,
                     });
+                }
+                Event::User(_) => tool_result_at = Some(Instant::now()),
+                Event::Assistant(_) => {
+                    if let Some(at) = tool_result_at.take() {
+                        last_request_at = at;
+                    }
                 }
                 Event::System(s) => {
                     if s.subtype == "api_retry" {
                         retries += 1;
+                        // Printed before the retry's delay: never later than the new request.
+                        last_request_at = Instant::now();
                     }
                     if s.subtype == "compact_boundary" {
                         compacted = Some(s.compact_metadata.unwrap_or_default());

@@ -54,16 +54,12 @@ pub struct PolicyConfig {
     /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
     /// expires (see [`GapModel`]); without enough gaps, the ski-rental bound alone.
     pub predictive: bool,
-    /// How long before expiry the first refresh after a turn fires. A turn's touch is taken
-    /// when the turn is done, after its last request read the cache (its output streamed,
-    /// receipts sent), so the margin covers that as well as the refresh itself (a CLI start
-    /// and one request, 1-2 s). Each refresh buys `ttl - lead` of warmth, so a long lead is
-    /// paid for in refreshes: see [`Self::for_ttl`].
+    /// How long before the reckoned expiry a refresh fires: its own start-up (a CLI start and
+    /// one request, 1-2 s) with room to spare. The expiry is reckoned from the start of the
+    /// last request that read the cache (a turn's last request, a refresh), never from a
+    /// turn's end: a long reply streams after its read. Each refresh buys `ttl - lead` of
+    /// warmth, so a long lead is paid for in refreshes.
     pub keep_warm_lead: Duration,
-    /// The same after a refresh, whose touch is taken when it starts, before its request reads
-    /// the cache: only the next refresh's own start-up needs covering (at most
-    /// `keep_warm_lead`).
-    pub refresh_lead: Duration,
 }
 
 impl Default for PolicyConfig {
@@ -79,8 +75,7 @@ impl Default for PolicyConfig {
             compact_summary_tokens: 4_000,
             keep_warm: true,
             predictive: true,
-            keep_warm_lead: Duration::from_secs(60),
-            refresh_lead: Duration::from_secs(10),
+            keep_warm_lead: Duration::from_secs(10),
         }
     }
 }
@@ -91,10 +86,10 @@ impl PolicyConfig {
     /// where it never fired, and cost 3% more on quiet operator DMs; unpredicted, it cost up to
     /// 1.8x what none did.
     ///
-    /// The first refresh after a turn fires a tenth of the TTL before the expiry, at most a
-    /// minute: with 5 minutes, a 60 s lead bought 240 s per refresh and 30 s buys 270 s; on
-    /// the reference workload that was 150 refreshes -> 127 and 8% of the whole cost. Later
-    /// refreshes, reckoned from their own start, fire `refresh_lead` (10 s) before it.
+    /// A refresh fires `keep_warm_lead` (10 s, at most a tenth of the TTL) before the expiry.
+    /// While a turn's touch was taken at its end, the first refresh after it needed a lead
+    /// covering the reply's streaming too (a tenth of the TTL, at most a minute): with 5
+    /// minutes that cost one refresh in ten on gaps kept warm.
     pub fn for_ttl(ttl: Ttl) -> Self {
         let defaults = Self::default();
         Self {
@@ -102,11 +97,6 @@ impl PolicyConfig {
             keep_warm_lead: defaults.keep_warm_lead.min(ttl.duration() / 10),
             ..defaults
         }
-    }
-
-    /// The lead after a refresh (never longer than the one after a turn).
-    pub fn lead_after_refresh(&self) -> Duration {
-        self.refresh_lead.min(self.keep_warm_lead)
     }
 
     /// Where the CLI starts refusing turns.
@@ -161,10 +151,10 @@ pub struct Telemetry {
     pub rehydration_tokens: u64,
     /// The part of the rehydration that a compaction keeps too (system prompt and state).
     pub base_tokens: u64,
-    /// Last request that read or wrote the cache (turn or keep-warm refresh).
+    /// When the last request that read or wrote the cache began (a turn's last request, a
+    /// keep-warm refresh, a compaction): never later than the read, so the expiry reckoned
+    /// from it is never late.
     pub last_cache_touch: Option<Instant>,
-    /// Whether that was a keep-warm refresh (its touch is when it started).
-    pub touched_by_refresh: bool,
     /// End of the last turn.
     pub last_turn_at: Option<Instant>,
     /// Dollars of cache reads above the rehydration size, summed since the last fresh start.
@@ -201,11 +191,14 @@ impl Telemetry {
         }
     }
 
-    /// Books a finished turn: its usage (the last request's), how it ended, when.
+    /// Books a finished turn: its usage (the last request's), how it ended, when its last
+    /// request began (`read_at`, the cache's touch) and when it ended (`now`, her last turn,
+    /// from which her next gap is measured).
     pub fn after_turn(
         &mut self,
         usage: &crate::cost::Usage,
         outcome: Outcome,
+        read_at: Instant,
         now: Instant,
         prices: &Prices,
     ) {
@@ -214,8 +207,7 @@ impl Telemetry {
             usage.cache_read.saturating_sub(self.rehydration_tokens),
             prices.cache_read,
         );
-        self.last_cache_touch = Some(now);
-        self.touched_by_refresh = false;
+        self.last_cache_touch = Some(read_at.min(now));
         self.last_turn_at = Some(now);
         self.last_outcome = outcome;
         self.keep_warm_cost = 0.0;
@@ -226,11 +218,11 @@ impl Telemetry {
         self.excess_read_cost = 0.0;
     }
 
-    /// After a compaction: the conversation is now `post_tokens` long (summary and what was
-    /// kept), freshly read, and the read cost above the rehydration starts again from zero.
-    /// `summary_tokens` (what the compaction wrote) is learned for the next one; 0 (not
-    /// measured) is not.
-    pub fn after_compact(&mut self, post_tokens: u64, summary_tokens: u64, now: Instant) {
+    /// After a compaction whose request began at `read_at`: the conversation is now
+    /// `post_tokens` long (summary and what was kept), and the read cost above the
+    /// rehydration starts again from zero. `summary_tokens` (what the compaction wrote) is
+    /// learned for the next one; 0 (not measured) is not.
+    pub fn after_compact(&mut self, post_tokens: u64, summary_tokens: u64, read_at: Instant) {
         if summary_tokens > 0 {
             if self.summaries.len() == Self::SUMMARIES_KEPT {
                 self.summaries.remove(0);
@@ -240,8 +232,7 @@ impl Telemetry {
         self.prefix_tokens = post_tokens;
         self.excess_read_cost = 0.0;
         self.last_outcome = Outcome::Ok;
-        self.last_cache_touch = Some(now);
-        self.touched_by_refresh = false;
+        self.last_cache_touch = Some(read_at);
     }
 
     /// Books a keep-warm refresh that cost `dollars` and started at `started` (before its
@@ -249,7 +240,6 @@ impl Telemetry {
     pub fn after_keep_warm(&mut self, dollars: f64, started: Instant) {
         self.keep_warm_cost += dollars;
         self.last_cache_touch = Some(started);
-        self.touched_by_refresh = true;
     }
 }
 
@@ -357,15 +347,6 @@ pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
     Decision::Continue
 }
 
-/// How long before the reckoned expiry the next refresh fires.
-fn lead(t: &Telemetry, c: &PolicyConfig) -> Duration {
-    if t.touched_by_refresh {
-        c.lead_after_refresh()
-    } else {
-        c.keep_warm_lead
-    }
-}
-
 /// Whether an idle session should refresh its cache now.
 fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let Some(touch) = t.last_cache_touch else {
@@ -375,7 +356,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
         return false;
     }
     let expiry = touch + c.ttl.duration();
-    let fire_at = expiry.checked_sub(lead(t, c)).unwrap_or(touch);
+    let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
     // The rewrite a refresh avoids: the next turn would rewrite the prefix, or start fresh.
     let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c));
     let refresh = refresh_cost(t, c);
@@ -394,8 +375,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let left = ((rewrite - t.keep_warm_cost) / refresh)
         .floor()
         .clamp(1.0, 1e4) as u32;
-    // Every later refresh follows a refresh.
-    let period = c.ttl.duration().saturating_sub(c.lead_after_refresh());
+    let period = c.ttl.duration().saturating_sub(c.keep_warm_lead);
     match t
         .gaps
         .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
@@ -414,7 +394,7 @@ pub fn next_check(t: &Telemetry, c: &PolicyConfig, fired: Option<Instant>) -> Op
         .filter(|_| c.keep_warm && t.prefix_tokens > 0)
         .map(|touch| {
             (touch + c.ttl.duration())
-                .checked_sub(lead(t, c))
+                .checked_sub(c.keep_warm_lead)
                 .unwrap_or(touch)
         });
     let evict = t

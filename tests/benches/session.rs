@@ -447,7 +447,14 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         });
         last_touch_off = offset;
         last_turn_off = offset;
-        t.after_turn(&u, turn.result.outcome(), origin + offset, &prices);
+        // The virtual clock stands still during a turn: its request began when it ended.
+        t.after_turn(
+            &u,
+            turn.result.outcome(),
+            origin + offset,
+            origin + offset,
+            &prices,
+        );
         for d in &ds {
             timelines.push(d);
         }

@@ -444,3 +444,40 @@ async fn one_shot_turns_resume_one_session() {
     assert!(ledger[2].user_text.contains("message 1"), "{:?}", ledger[2]);
     assert!(ledger[2].usage.cache_read > 0);
 }
+
+/// The cache's touch is when the turn's last request began, not when its reply had streamed:
+/// a reply that takes 1.5 s (the mock's delay) ends 1.5 s after the read, and a retried
+/// request's read is the retry's, after the failed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turns_cache_touch_is_when_its_last_request_began() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let scratch = tests::ScratchDir::new("touch");
+    let dir = scratch.path().to_path_buf();
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    let slow = Duration::from_millis(1500);
+    for (seq, faults) in [
+        (1, vec![Fault::Delay(slow)]),
+        (2, vec![Fault::Overloaded, Fault::Delay(slow)]),
+    ] {
+        let retried = faults.len() - 1;
+        for f in faults {
+            mock.inject(f);
+        }
+        let before = std::time::Instant::now();
+        let turn = cli
+            .turn(&render(&[delivery(seq, "hello")], &mut seen, &[]))
+            .await
+            .unwrap();
+        let ended = std::time::Instant::now();
+        assert!(!turn.result.is_error, "{:?}", turn.result);
+        assert_eq!(turn.retries as usize, retried);
+        assert!(turn.last_request_at >= before, "turn {seq}");
+        let streamed = ended.duration_since(turn.last_request_at);
+        assert!(
+            streamed >= slow,
+            "turn {seq}: the touch is {streamed:?} before the end, less than the reply took"
+        );
+    }
+    cli.shutdown(Duration::from_secs(5)).await;
+}

@@ -351,15 +351,14 @@ fn keep_warm_defaults_follow_the_benchmark() {
         PolicyConfig::for_ttl(Ttl::FiveMinutes).ttl,
         Ttl::FiveMinutes
     );
-    // The refresh lead: a tenth of the TTL, at most a minute.
-    assert_eq!(
-        PolicyConfig::for_ttl(Ttl::FiveMinutes).keep_warm_lead,
-        Duration::from_secs(30)
-    );
-    assert_eq!(
-        PolicyConfig::for_ttl(Ttl::OneHour).keep_warm_lead,
-        Duration::from_secs(60)
-    );
+    // The refresh lead covers a refresh's start-up only: the expiry is reckoned from reads.
+    for ttl in [Ttl::OneHour, Ttl::FiveMinutes] {
+        assert_eq!(
+            PolicyConfig::for_ttl(ttl).keep_warm_lead,
+            Duration::from_secs(10),
+            "{ttl:?}"
+        );
+    }
 }
 
 #[test]
@@ -537,37 +536,50 @@ fn past_her_longest_silence_ski_rental_decides() {
 }
 
 #[test]
-fn after_a_refresh_the_next_fires_closer_to_the_expiry() {
+fn the_expiry_is_reckoned_from_the_last_read_not_the_turns_end() {
     let now = Instant::now();
     for ttl in [Ttl::FiveMinutes, Ttl::OneHour] {
         let c = PolicyConfig {
             keep_warm: true,
+            predictive: false,
             ..PolicyConfig::for_ttl(ttl)
         };
-        assert!(c.refresh_lead < c.keep_warm_lead, "{ttl:?}");
         let mut t = base(now);
         t.batch_waiting = false;
-        t.after_turn(&crate::cost::Usage::default(), Outcome::Ok, now, &c.prices);
-        t.prefix_tokens = 30_000;
-        // After a turn (touched when it was done): the long lead.
-        let first = next_check(&t, &c, None).unwrap();
-        assert_eq!(first, now + c.ttl.duration() - c.keep_warm_lead, "{ttl:?}");
-        // A refresh touched at its start: the next fires `refresh_lead` before the expiry,
-        // so each refresh buys more of the TTL.
-        t.after_keep_warm(0.01, first);
-        let second = next_check(&t, &c, None).unwrap();
-        assert_eq!(second, first + c.ttl.duration() - c.refresh_lead, "{ttl:?}");
-        // A turn sets it back.
+        // A long reply: its request read the cache at `now`, the turn ended a minute later.
+        let ended = now + Duration::from_secs(60);
         t.after_turn(
             &crate::cost::Usage::default(),
             Outcome::Ok,
-            second,
+            now,
+            ended,
             &c.prices,
         );
         t.prefix_tokens = 30_000;
+        let first = next_check(&t, &c, None).unwrap();
+        assert_eq!(first, now + c.ttl.duration() - c.keep_warm_lead, "{ttl:?}");
+        assert_eq!(decide(&t, first, &c), Decision::KeepWarm, "{ttl:?}");
+        // Reckoned from the turn's end, the refresh would come after the entry expired.
+        let from_the_end = ended + c.ttl.duration() - c.keep_warm_lead;
+        assert!(!warm(&t, &c, from_the_end), "{ttl:?}");
+        // Her next gap is still measured from the turn's end.
+        assert_eq!(t.last_turn_at, Some(ended));
+        // A refresh touched at its start: the next fires a lead before its expiry.
+        t.after_keep_warm(0.01, first);
+        let second = next_check(&t, &c, None).unwrap();
         assert_eq!(
-            next_check(&t, &c, None).unwrap(),
-            second + c.ttl.duration() - c.keep_warm_lead
+            second,
+            first + c.ttl.duration() - c.keep_warm_lead,
+            "{ttl:?}"
         );
+        // A read is never booked after the turn's end.
+        t.after_turn(
+            &crate::cost::Usage::default(),
+            Outcome::Ok,
+            second + Duration::from_secs(5),
+            second,
+            &c.prices,
+        );
+        assert_eq!(t.last_cache_touch, Some(second));
     }
 }
