@@ -17,7 +17,9 @@
 //!
 //! `cargo bench -p tests --bench session` (all workloads, about an hour). `WORKLOADS=busy-room,
 //! quiet-dms` picks some, `BATCHES=N` replays only the first N batches of each, `TTLS=5m` one
-//! TTL. The summary tables at the end are the README's.
+//! TTL; `LEAD_SECS=N` and `COLD_FACTOR=F` change the policy's refresh lead and continuity factor,
+//! `SCHEDULE=1` prints where live lost to the optimum, `LEDGER=1` the mock's requests. The
+//! summary tables at the end are the README's.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::Path;
@@ -286,6 +288,14 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     // LEAD_SECS=N: refresh N seconds before expiry instead of the default lead.
     if let Some(lead) = std::env::var("LEAD_SECS").ok().and_then(|v| v.parse().ok()) {
         pc.keep_warm_lead = Duration::from_secs(lead);
+    }
+    // COLD_FACTOR=F: after an expired cache, start fresh once the conversation is F times the
+    // rehydration (the default, 1.25, pays for continuity; 1.0 is cost alone).
+    if let Some(f) = std::env::var("COLD_FACTOR")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        pc.cold_prefix_factor = f;
     }
     let prices = Prices::default();
     let origin = Instant::now();
