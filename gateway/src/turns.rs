@@ -280,6 +280,7 @@ impl TurnLoop {
             telemetry,
             policy: PolicyConfig {
                 context_window: persona.session.context_window,
+                cold_prefix_factor: f64::from(persona.session.continuity_percent) / 100.0,
                 prices,
                 ..PolicyConfig::for_ttl(base.cache_ttl)
             },
