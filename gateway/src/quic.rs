@@ -340,25 +340,22 @@ pub async fn accept(
     // Draining: new connections are refused at once (not left to time out) while the open
     // ones end on their own.
     let all = u32::try_from(MAX_CONNECTIONS).unwrap_or(u32::MAX);
-    let drained = connections.acquire_many(all);
-    tokio::pin!(drained);
-    let deadline = tokio::time::sleep(DRAIN_WAIT);
-    tokio::pin!(deadline);
-    loop {
-        tokio::select! {
-            _ = &mut drained => break,
-            () = &mut deadline => {
-                tracing::warn!(
-                    open = MAX_CONNECTIONS - connections.available_permits(),
-                    "QUIC connections still open after {DRAIN_WAIT:?}: closed"
-                );
-                break;
-            }
-            incoming = endpoint.accept() => match incoming {
-                Some(incoming) => incoming.refuse(),
-                None => break,
-            },
+    let refusing = async {
+        while let Some(incoming) = endpoint.accept().await {
+            incoming.refuse();
         }
+    };
+    let drained = async {
+        tokio::select! {
+            _ = connections.acquire_many(all) => {}
+            () = refusing => {}
+        }
+    };
+    if tokio::time::timeout(DRAIN_WAIT, drained).await.is_err() {
+        tracing::warn!(
+            open = MAX_CONNECTIONS - connections.available_permits(),
+            "QUIC connections still open after {DRAIN_WAIT:?}: closed"
+        );
     }
     endpoint.close(2u32.into(), SHUTTING_DOWN);
     // The close frames go out before the process ends.

@@ -1305,18 +1305,8 @@ pub async fn serve_updating(
     let mut out: Vec<(Sink, Answer)> = Vec::new();
     let mut unread: Vec<SocketAddr> = Vec::new();
     loop {
-        let from_quic = async {
-            match remote.as_mut() {
-                Some(rx) => rx.recv().await,
-                None => std::future::pending().await,
-            }
-        };
-        let update = async {
-            match updates.as_mut() {
-                Some(rx) => rx.recv().await,
-                None => std::future::pending().await,
-            }
-        };
+        let from_quic = next_from(&mut remote);
+        let update = next_from(&mut updates);
         tokio::select! {
             () = endpoint.ready() => {}
             u = update => {
@@ -1369,6 +1359,15 @@ pub async fn serve_updating(
         endpoint.flush().await;
     }
     drain(&mut service, &mut endpoint, &mut remote, &quic, &tasks).await;
+}
+
+/// The next message of an optional channel; never, without one (a `select!` branch that
+/// cannot fire).
+async fn next_from<T>(rx: &mut Option<mpsc::Receiver<T>>) -> Option<T> {
+    match rx.as_mut() {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Why a stopping service's clients are turned away, and its sessions end.
@@ -1427,12 +1426,7 @@ async fn closing_round(
     remote: &mut Option<mpsc::Receiver<Remote>>,
     quic: &HashMap<SocketAddr, QuicPeer>,
 ) {
-    let from_quic = async {
-        match remote.as_mut() {
-            Some(rx) => rx.recv().await,
-            None => std::future::pending().await,
-        }
-    };
+    let from_quic = next_from(remote);
     let mut turned_away = Vec::new();
     tokio::select! {
         () = endpoint.ready() => {}

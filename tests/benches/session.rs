@@ -286,15 +286,12 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         ..PolicyConfig::for_ttl(ttl)
     };
     // LEAD_SECS=N: refresh N seconds before expiry instead of the default lead.
-    if let Some(lead) = std::env::var("LEAD_SECS").ok().and_then(|v| v.parse().ok()) {
+    if let Some(lead) = env_parsed("LEAD_SECS") {
         pc.keep_warm_lead = Duration::from_secs(lead);
     }
     // COLD_FACTOR=F: after an expired cache, start fresh once the conversation is F times the
     // rehydration (the default, 1.25, pays for continuity; 1.0 is cost alone).
-    if let Some(f) = std::env::var("COLD_FACTOR")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(f) = env_parsed("COLD_FACTOR") {
         pc.cold_prefix_factor = f;
     }
     let prices = Prices::default();
@@ -517,6 +514,11 @@ fn ttl_name(ttl: Ttl) -> &'static str {
         Ttl::OneHour => "1h",
         Ttl::FiveMinutes => "5m",
     }
+}
+
+/// A setting from the environment, when it is set and parses.
+fn env_parsed<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 /// How a schedule bridges a gap longer than the TTL.
@@ -935,13 +937,8 @@ fn main() {
         Ok("5m") => vec![Ttl::FiveMinutes],
         _ => vec![Ttl::OneHour, Ttl::FiveMinutes],
     };
-    let only = std::env::var("BATCHES").ok().and_then(|v| v.parse().ok());
-    let latency = Duration::from_millis(
-        std::env::var("LATENCY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(200),
-    );
+    let only = env_parsed("BATCHES");
+    let latency = Duration::from_millis(env_parsed("LATENCY_MS").unwrap_or(200));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
