@@ -12,9 +12,10 @@
 //!    (at most twice the hindsight optimum).
 //! 5. Idle (no batch): refresh the cache shortly before it expires while the refreshes paid
 //!    since the last turn stay below the cost of the rewrite they avoid (ski rental again),
-//!    and, once her gaps are known ([`GapModel`]), only when a batch is likely enough to come
-//!    while the refreshed entry lives for the saving to beat the refresh's price; otherwise
-//!    evict a process idle for longer than `evict_after` (its session stays resumable).
+//!    and only when a batch is likely enough to come while the refreshed entries live for the
+//!    saving to beat the refreshes' price (by her gaps, [`GapModel`], or where they say
+//!    nothing by a scale-free prior: the longer a silence has lasted, the longer it goes on);
+//!    otherwise evict a process idle for longer than `evict_after` (its session stays resumable).
 //!
 //! A compaction's cost counts the summary it writes: the mean of the last compactions' summary
 //! sizes once there has been one, `compact_summary_tokens` before.
@@ -52,7 +53,7 @@ pub struct PolicyConfig {
     /// Refresh the cache before it expires (bounded by ski rental).
     pub keep_warm: bool,
     /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
-    /// expires (see [`GapModel`]); without enough gaps, the ski-rental bound alone.
+    /// expires (see [`GapModel`]); off, the ski-rental bound alone.
     pub predictive: bool,
     /// How long before the reckoned expiry a refresh fires: its own start-up (a CLI start and
     /// one request, 1-2 s) with room to spare. The expiry is reckoned from the start of the
@@ -376,13 +377,9 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
         .floor()
         .clamp(1.0, 1e4) as u32;
     let period = c.ttl.duration().saturating_sub(c.keep_warm_lead);
-    match t
-        .gaps
+    t.gaps
         .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
-    {
-        None => true,
-        Some(gain) => gain > 0.0,
-    }
+        > 0.0
 }
 
 /// When an idle session should be looked at again (keep-warm or eviction), if ever, leaving

@@ -10,10 +10,14 @@
 //! refresh could not bring it back). This is the stopping rule's one-step form: a decline is
 //! final for this silence, so it looks as far ahead as the refresh budget reaches.
 //!
-//! A silence longer than every one she has shown is past what the model knows: it does not
-//! answer, and ski rental decides, as before she had shown any habit (worst case 2x the
-//! hindsight optimum). Taking such a silence to go on forever let her cache go cold an hour
-//! past her longest silence yet, with a rewrite dearer than the refreshes to her next batch.
+//! Where her past says nothing (fewer than [`GapModel::MIN_GAPS`] gaps, or a silence longer
+//! than every one she has shown) the model assumes only that time has no natural scale: a
+//! silence that has lasted `s` is as likely to end before `2s` as after, so it is still going
+//! at `t` with chance `s / t` (the scale-free prior, "Lindy's law"). Early in a silence that
+//! keeps the cache warm; hours into it, when the next refresh's window is a sliver of the
+//! silence so far, it lets the entry go. The ski-rental budget bounds the refreshes either way.
+//! Taking such a silence to go on forever let her cache go cold an hour past her longest
+//! silence yet; leaving it to the budget alone refreshed through nights of ten hours.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -86,8 +90,8 @@ impl GapModel {
     /// a silence of `since`, refresh `i` (0 now) happens at `since + i * period` if she is still
     /// silent and the `k`-th keeps the entry alive until `since + (k - 1) * period + life`;
     /// a batch inside that saves `saving`, each refresh made costs `refresh`. The maximum over
-    /// `k` in 1..=`max_refreshes` of that expectation. `None` with fewer than
-    /// [`GapModel::MIN_GAPS`] gaps, or when no past gap lasted `since` (nothing known).
+    /// `k` in 1..=`max_refreshes` of that expectation, by her past gaps at least `since` long,
+    /// or by the scale-free prior (see the module docs) where there are none to go by.
     pub fn keep_warm_gain(
         &self,
         since: Duration,
@@ -96,39 +100,40 @@ impl GapModel {
         saving: f64,
         refresh: f64,
         max_refreshes: u32,
-    ) -> Option<f64> {
-        if self.gaps.len() < Self::MIN_GAPS {
-            return None;
-        }
+    ) -> f64 {
         let (since, period, life) = (since.as_secs(), period.as_secs().max(1), life.as_secs());
-        let (longer, total) = self.longer(since);
-        if total <= 0.0 {
-            return None;
-        }
-        let share = |pred: &dyn Fn(u64) -> bool| {
-            longer
-                .iter()
-                .filter(|(_, g)| pred(*g))
-                .map(|(w, _)| w)
-                .sum::<f64>()
-                / total
+        let (longer, total) = if self.gaps.len() < Self::MIN_GAPS {
+            (Vec::new(), 0.0)
+        } else {
+            self.longer(since)
         };
-        let longest = longer.iter().map(|(_, g)| *g).max().unwrap_or(since);
+        // The chance she is still silent at `x >= since`, given she is at `since`.
+        let still = |x: u64| -> f64 {
+            if total > 0.0 {
+                longer
+                    .iter()
+                    .filter(|(_, g)| *g >= x)
+                    .map(|(w, _)| w)
+                    .sum::<f64>()
+                    / total
+            } else {
+                since.max(1) as f64 / x.max(1) as f64
+            }
+        };
         let mut best = f64::NEG_INFINITY;
         let mut paid = 0.0;
         for k in 1..=u64::from(max_refreshes.max(1)) {
             // Refresh k-1 is made if she is still silent at its time.
             let at = since + (k - 1) * period;
-            paid += refresh * share(&|g| g >= at);
-            let covered = at + life;
-            let gain = saving * share(&|g| g < covered) - paid;
-            best = best.max(gain);
+            paid += refresh * still(at);
+            let left = still(at + life);
+            best = best.max(saving * (1.0 - left) - paid);
             // Every past silence is covered: a longer horizon can only pay more.
-            if covered > longest {
+            if left <= 0.0 {
                 break;
             }
         }
-        Some(best)
+        best
     }
 
     /// The chance that a silence that has lasted `since` ends before `until`, by the weighted
@@ -211,33 +216,47 @@ mod tests {
         }
         let p_next_hour = m.p_within(s(3540), s(3540 + 3600)).unwrap();
         assert!(p_next_hour < 0.06, "{p_next_hour}");
-        let gain = m
-            .keep_warm_gain(s(3540), period, life, saving, refresh, 20)
-            .unwrap();
+        let gain = m.keep_warm_gain(s(3540), period, life, saving, refresh, 20);
         assert!(gain > 0.1, "{gain}");
         // A budget of one refresh cannot reach them: not worth it.
-        let one = m
-            .keep_warm_gain(s(3540), period, life, saving, refresh, 1)
-            .unwrap();
+        let one = m.keep_warm_gain(s(3540), period, life, saving, refresh, 1);
         assert!(one < 0.0, "{one}");
         // Silences of a day: twenty refreshes cost more than they save.
         let mut m = GapModel::default();
         for _ in 0..30 {
             m.observe(s(86_400));
         }
-        let gain = m
-            .keep_warm_gain(s(3540), period, life, saving, refresh, 20)
-            .unwrap();
+        let gain = m.keep_warm_gain(s(3540), period, life, saving, refresh, 20);
         assert!(gain <= 0.0, "{gain}");
-        // Past every silence seen, or too few gaps: no answer (ski rental decides).
+    }
+
+    #[test]
+    fn where_her_past_says_nothing_the_longer_a_silence_the_longer_it_lasts() {
+        let (period, life) = (s(290), s(300));
+        // A 5-minute cache: a refresh costs a tenth of the rewrite it may save.
+        let (saving, refresh) = (0.09, 0.009);
+        // No habit yet: five minutes into a silence, the next five end it half the time.
+        let new = GapModel::default();
+        let early = new.keep_warm_gain(s(290), period, life, saving, refresh, 10);
+        let next_one_alone = saving * (1.0 - 290.0 / 590.0) - refresh;
+        assert!(next_one_alone > 0.0 && early >= next_one_alone, "{early}");
+        // An hour in, the next five minutes end it one time in thirteen: let it go.
+        assert!(new.keep_warm_gain(s(3600), period, life, saving, refresh, 10) < 0.0);
+        // Her silences have lasted a minute: past that the same prior speaks.
+        let mut m = GapModel::default();
+        for _ in 0..30 {
+            m.observe(s(60));
+        }
         assert_eq!(
-            m.keep_warm_gain(s(100_000), period, life, saving, refresh, 20),
-            None
+            m.keep_warm_gain(s(3600), period, life, saving, refresh, 10),
+            new.keep_warm_gain(s(3600), period, life, saving, refresh, 10)
         );
-        assert_eq!(
-            GapModel::default().keep_warm_gain(s(0), period, life, saving, refresh, 20),
-            None
-        );
+        assert!(m.keep_warm_gain(s(290), period, life, saving, refresh, 10) > 0.0);
+        // With a one-hour cache (a refresh a sixteenth of the rewrite) it still pays four
+        // hours into a silence, not a day.
+        let (period, life, saving, refresh) = (s(3590), s(3600), 0.15, 0.0095);
+        assert!(new.keep_warm_gain(s(4 * 3600), period, life, saving, refresh, 16) > 0.0);
+        assert!(new.keep_warm_gain(s(24 * 3600), period, life, saving, refresh, 16) < 0.0);
     }
 
     #[test]
@@ -249,16 +268,27 @@ mod tests {
         assert_eq!(back, m);
     }
 
-    /// Every horizon up to the budget, without stopping early: what `keep_warm_gain` must equal.
+    /// Every horizon up to the budget, without stopping early: what `keep_warm_gain` must equal,
+    /// by her gaps, or by the scale-free prior past them.
     fn gain_over_every_horizon(m: &GapModel, since: u64, period: u64, life: u64, max: u32) -> f64 {
-        let p = |lo: u64, hi: u64| m.p_within(s(lo), s(hi)).unwrap();
+        let known = m
+            .p_within(s(since), s(u64::MAX / 2))
+            .is_some_and(|p| p > 0.0);
+        // The chance of having ended before `hi`, silent at `since`.
+        let p = |hi: u64| {
+            if known {
+                m.p_within(s(since), s(hi)).unwrap()
+            } else {
+                1.0 - since.max(1) as f64 / hi.max(1) as f64
+            }
+        };
         let mut paid = 0.0;
         let mut best = f64::NEG_INFINITY;
         for k in 1..=u64::from(max) {
             let at = since + (k - 1) * period;
             // Still silent at `at`: 1 - P(ended before at | silent at since).
-            paid += 0.008 * (1.0 - p(since, at));
-            best = best.max(0.15 * p(since, at + life) - paid);
+            paid += 0.008 * (1.0 - p(at));
+            best = best.max(0.15 * p(at + life) - paid);
         }
         best
     }
@@ -275,13 +305,8 @@ mod tests {
                 m.observe(s(g));
             }
             let got = m.keep_warm_gain(s(since), s(240), s(300), 0.15, 0.008, max);
-            if m.p_within(s(since), s(u64::MAX / 2)) == Some(0.0) {
-                prop_assert_eq!(got, None);
-            } else {
-                let got = got.unwrap();
-                let want = gain_over_every_horizon(&m, since, 240, 300, max);
-                prop_assert!((got - want).abs() < 1e-9, "{} vs {}", got, want);
-            }
+            let want = gain_over_every_horizon(&m, since, 240, 300, max);
+            prop_assert!((got - want).abs() < 1e-9, "{} vs {}", got, want);
         }
 
         #[test]

@@ -182,7 +182,7 @@ fn keep_warm_window_and_budget() {
         ..cfg()
     };
     assert_eq!(decide(&t, fire, &off), Decision::Continue);
-    // Too few gaps known: prediction stays out of it.
+    // Too few gaps known: the scale-free prior speaks, not her gaps.
     assert!(t.gaps.p_within(Duration::ZERO, c.ttl.duration()).is_none());
     // A waiting batch is a turn, not a refresh.
     t.batch_waiting = true;
@@ -507,7 +507,7 @@ fn predictive_keep_warm_looks_past_the_next_refresh() {
 }
 
 #[test]
-fn past_her_longest_silence_ski_rental_decides() {
+fn past_her_longest_silence_the_scale_free_prior_decides() {
     let now = Instant::now();
     let c = PolicyConfig {
         keep_warm: true,
@@ -526,13 +526,27 @@ fn past_her_longest_silence_ski_rental_decides() {
         Some(0.0),
         "past all she has shown"
     );
-    // The model does not know; ski rental refreshes while the refreshes since her turn cost
-    // less than the rewrite they avoid (before, such a silence was taken to go on forever).
+    // Her gaps do not know; a silence of four hours ends within the next hour one time in
+    // five by the prior, and a refresh costs a sixteenth of the rewrite (before, such a
+    // silence was taken to go on forever and the entry let go).
     assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
     // With the budget spent, it lets the entry go.
     let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
     t.keep_warm_cost = rewrite;
     assert_eq!(decide(&t, now, &c), Decision::Continue);
+
+    // With five minutes, an hour past her longest silence (a minute), the next five minutes
+    // are too small a share of the silence to pay: the entry goes though the budget allows
+    // more (before, ski rental refreshed on until the budget was spent).
+    let c = PolicyConfig::for_ttl(Ttl::FiveMinutes);
+    let mut t = idle_with_gaps(now, &c, 60);
+    t.last_turn_at = Some(now - Duration::from_secs(3600));
+    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    assert!(t.keep_warm_cost + refresh_cost(&t, &c) < rewrite);
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    // Five minutes in, it refreshes.
+    t.last_turn_at = Some(now - (c.ttl.duration() - c.keep_warm_lead));
+    assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
 }
 
 #[test]
