@@ -780,6 +780,21 @@ impl Persona {
 }
 
 impl SessionConfig {
+    /// Her refresh policy's constants: the defaults for her cache TTL, her context window, the
+    /// continuity she is configured to pay for, and her model's prices.
+    pub fn policy(
+        &self,
+        ttl: session::cost::Ttl,
+        prices: session::cost::Prices,
+    ) -> session::policy::PolicyConfig {
+        session::policy::PolicyConfig {
+            context_window: self.context_window,
+            cold_prefix_factor: f64::from(self.continuity_percent) / 100.0,
+            prices,
+            ..session::policy::PolicyConfig::for_ttl(ttl)
+        }
+    }
+
     /// Her reply schema: the base one plus `reply_schema_file`'s fields (checked).
     pub fn reply_schema(&self, persona: &str) -> Result<session::render::ReplySchema, ConfigError> {
         let who = Some(persona);
@@ -1016,6 +1031,30 @@ operators = ["@op:localhost"]
         assert!(
             session("continuity_percent = 1.5").is_err(),
             "a whole percent"
+        );
+        // It is what the policy weighs a cold cache with.
+        use session::cost::{Prices, Ttl};
+        use session::policy::{decide, Decision, Reason, Telemetry};
+        let now = std::time::Instant::now();
+        let cold = Telemetry {
+            batch_waiting: true,
+            prefix_tokens: 36_000,
+            rehydration_tokens: 30_000,
+            last_cache_touch: Some(now - std::time::Duration::from_secs(3600)),
+            ..Telemetry::default()
+        };
+        let decided = |body: &str| {
+            let c = session(body).unwrap();
+            let policy = c.personas[0]
+                .session
+                .policy(Ttl::FiveMinutes, Prices::default());
+            decide(&cold, now, &policy)
+        };
+        // 1.2x a fresh start: at 125 she goes on, at 100 she starts fresh.
+        assert_eq!(decided("continuity_percent = 125"), Decision::Continue);
+        assert_eq!(
+            decided("continuity_percent = 100"),
+            Decision::FreshStart(Reason::ColdCache)
         );
     }
 

@@ -278,12 +278,7 @@ impl TurnLoop {
         let prices = prices_for(&persona, &base.model);
         Ok(Self {
             telemetry,
-            policy: PolicyConfig {
-                context_window: persona.session.context_window,
-                cold_prefix_factor: f64::from(persona.session.continuity_percent) / 100.0,
-                prices,
-                ..PolicyConfig::for_ttl(base.cache_ttl)
-            },
+            policy: persona.session.policy(base.cache_ttl, prices),
             prices,
             prompt_tokens,
             fired: None,
