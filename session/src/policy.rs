@@ -52,8 +52,9 @@ pub struct PolicyConfig {
     pub compact_summary_tokens: u64,
     /// Refresh the cache before it expires (bounded by ski rental).
     pub keep_warm: bool,
-    /// Refresh only when her gaps say a batch is likely enough before the refreshed entry
-    /// expires (see [`GapModel`]); off, the ski-rental bound alone.
+    /// Refresh only when a batch is likely enough before the refreshed entry expires, by her
+    /// gaps or, where they say nothing, a scale-free prior (see [`GapModel`]); off, the
+    /// ski-rental bound alone.
     pub predictive: bool,
     /// How long before the reckoned expiry a refresh fires: its own start-up (a CLI start and
     /// one request, 1-2 s) with room to spare. The expiry is reckoned from the start of the
@@ -306,6 +307,12 @@ pub fn refresh_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
         + Prices::dollars(8, c.prices.output)
 }
 
+/// Dollars of the rewrite a keep-warm refresh avoids: her next turn would rewrite the prefix,
+/// or start fresh if that is cheaper.
+pub fn avoided_rewrite_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
+    Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c))
+}
+
 /// Whether the cache entry is still alive at `now`.
 pub fn warm(t: &Telemetry, c: &PolicyConfig, now: Instant) -> bool {
     t.last_cache_touch
@@ -358,8 +365,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     }
     let expiry = touch + c.ttl.duration();
     let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
-    // The rewrite a refresh avoids: the next turn would rewrite the prefix, or start fresh.
-    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, c));
+    let rewrite = avoided_rewrite_cost(t, c);
     let refresh = refresh_cost(t, c);
     if !(now >= fire_at && now < expiry && t.keep_warm_cost + refresh <= rewrite) {
         return false;

@@ -136,11 +136,13 @@ impl GapModel {
         best
     }
 
-    /// The chance that a silence that has lasted `since` ends before `until`, by the weighted
-    /// share of past gaps at least `since` long that ended before `until`. `None` with fewer
-    /// than [`GapModel::MIN_GAPS`] gaps; 0 when no past gap lasted `since` (a silence longer
-    /// than any seen is taken to go on).
-    pub fn p_within(&self, since: Duration, until: Duration) -> Option<f64> {
+    /// What her gaps alone say (tests use it; the policy asks [`GapModel::keep_warm_gain`],
+    /// which falls back on the prior): the chance that a silence that has lasted `since` ends
+    /// before `until`, by the weighted share of past gaps at least `since` long that ended
+    /// before `until`. `None` with fewer than [`GapModel::MIN_GAPS`] gaps; 0 when no past gap
+    /// lasted `since`.
+    #[cfg(test)]
+    pub(crate) fn p_within(&self, since: Duration, until: Duration) -> Option<f64> {
         if self.gaps.len() < Self::MIN_GAPS {
             return None;
         }

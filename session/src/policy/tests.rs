@@ -171,7 +171,7 @@ fn keep_warm_window_and_budget() {
         "too late: already expired"
     );
     // Budget: refreshes since the last turn may not exceed the rewrite they avoid.
-    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    let rewrite = avoided_rewrite_cost(&t, &c);
     t.keep_warm_cost = rewrite - refresh_cost(&t, &c);
     assert_eq!(decide(&t, fire, &c), Decision::KeepWarm);
     t.keep_warm_cost += 1e-9;
@@ -440,8 +440,7 @@ fn predictive_keep_warm_weighs_the_chance_against_the_price() {
     };
     let idle = (c.ttl.duration() - c.keep_warm_lead).as_secs();
     let rewrite_saving = |t: &Telemetry| {
-        Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(t, &c))
-            - Prices::dollars(t.prefix_tokens, c.prices.cache_read)
+        avoided_rewrite_cost(t, &c) - Prices::dollars(t.prefix_tokens, c.prices.cache_read)
     };
     // The chance her batch comes while the next refresh keeps the entry alive.
     let p_next = |t: &Telemetry| {
@@ -531,7 +530,7 @@ fn past_her_longest_silence_the_scale_free_prior_decides() {
     // silence was taken to go on forever and the entry let go).
     assert_eq!(decide(&t, now, &c), Decision::KeepWarm);
     // With the budget spent, it lets the entry go.
-    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    let rewrite = avoided_rewrite_cost(&t, &c);
     t.keep_warm_cost = rewrite;
     assert_eq!(decide(&t, now, &c), Decision::Continue);
 
@@ -541,7 +540,7 @@ fn past_her_longest_silence_the_scale_free_prior_decides() {
     let c = PolicyConfig::for_ttl(Ttl::FiveMinutes);
     let mut t = idle_with_gaps(now, &c, 60);
     t.last_turn_at = Some(now - Duration::from_secs(3600));
-    let rewrite = Prices::dollars(t.prefix_tokens, c.prices.write(c.ttl)).min(rebuild_cost(&t, &c));
+    let rewrite = avoided_rewrite_cost(&t, &c);
     assert!(t.keep_warm_cost + refresh_cost(&t, &c) < rewrite);
     assert_eq!(decide(&t, now, &c), Decision::Continue);
     // Five minutes in, it refreshes.
