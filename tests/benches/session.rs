@@ -18,8 +18,10 @@
 //! `cargo bench -p tests --bench session` (all workloads, about an hour). `WORKLOADS=busy-room,
 //! quiet-dms` picks some, `BATCHES=N` replays only the first N batches of each, `TTLS=5m` one
 //! TTL; `LEAD_SECS=N` and `COLD_FACTOR=F` change the policy's refresh lead and continuity factor,
-//! `SCHEDULE=1` prints where live lost to the optimum, `LEDGER=1` the mock's requests. The
-//! summary tables at the end are the README's.
+//! `SCHEDULE=1` prints where live lost to the optimum, `LEDGER=1` the mock's requests;
+//! `SEASONED=1` lets live learn her gaps of another day of the same shape first (a Persona the
+//! gateway already knows; her gaps are stored and outlive a restart). The summary tables at
+//! the end are the README's.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::Path;
@@ -113,6 +115,9 @@ struct Run<'a> {
     ttl: Ttl,
     latency: Duration,
     scratch: std::path::PathBuf,
+    /// Her gaps of the day before, learned before the first batch (`SEASONED=1`): a Persona
+    /// whose habits the gateway already knows, as it does after a restart. Empty: a new one.
+    yesterday: Vec<Duration>,
 }
 
 impl Run<'_> {
@@ -303,6 +308,9 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     let mut timelines = Timelines::default();
     let base_tokens = (run.doctrine().len() / 4 + state.len() / 4) as u64;
     let mut t = Telemetry::default();
+    for &gap in &run.yesterday {
+        t.gaps.observe(gap);
+    }
     let mut r = Report::default();
     let mut seq = 0u64;
     let mut last_touch_off = Duration::ZERO;
@@ -938,6 +946,8 @@ fn main() {
         _ => vec![Ttl::OneHour, Ttl::FiveMinutes],
     };
     let only = env_parsed("BATCHES");
+    // SEASONED=1: live knows her gaps of another day of the same shape before the first batch.
+    let seasoned = std::env::var_os("SEASONED").is_some();
     let latency = Duration::from_millis(env_parsed("LATENCY_MS").unwrap_or(200));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -951,7 +961,29 @@ fn main() {
         for shape in shapes {
             let w = tests::workload::load(shape).expect("committed workload");
             let n = only.unwrap_or(usize::MAX).min(shape.batches());
-            println!("{} ({n} batches)", shape.name());
+            // The day before's gaps between batches (its first gap follows the day before it).
+            let yesterday: Vec<Duration> = if seasoned {
+                let day = shape.another_day(1);
+                day["batches"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .skip(1)
+                    .filter_map(|b| b["gap_secs"].as_u64())
+                    .map(Duration::from_secs)
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            println!(
+                "{} ({n} batches{})",
+                shape.name(),
+                if seasoned {
+                    ", her gaps of the day before known"
+                } else {
+                    ""
+                }
+            );
             for &ttl in &ttls {
                 let run = Run {
                     w: &w,
@@ -959,6 +991,7 @@ fn main() {
                     ttl,
                     latency,
                     scratch: scratch.join(shape.name()),
+                    yesterday: yesterday.clone(),
                 };
                 let rebuild = rebuild(&run).await;
                 print(&rebuild, &rebuild);

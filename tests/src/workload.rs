@@ -164,9 +164,20 @@ impl Shape {
 
     /// Generates it.
     pub fn generate(self) -> Value {
+        self.generate_seeded(self.seed())
+    }
+
+    /// Another day of the same shape: drawn the same way from another seed (day 0 is the
+    /// committed workload). The benchmark learns her gaps from the day before to measure a
+    /// Persona whose habits the gateway already knows, as it does after a restart.
+    pub fn another_day(self, day: u64) -> Value {
+        self.generate_seeded(self.seed() ^ (day << 32))
+    }
+
+    fn generate_seeded(self, seed: u64) -> Value {
         match self {
-            Shape::Reference => generate(self.seed(), self.batches()),
-            _ => generate_shape(self),
+            Shape::Reference => generate(seed, self.batches()),
+            _ => generate_shape(self, seed),
         }
     }
 }
@@ -260,8 +271,7 @@ fn draw(shape: Shape, r: &mut Rng, b: usize) -> Draw {
     }
 }
 
-fn generate_shape(shape: Shape) -> Value {
-    let seed = shape.seed();
+fn generate_shape(shape: Shape, seed: u64) -> Value {
     let mut r = Rng(seed | 1);
     let (doctrine, state) = doctrine_and_state(&mut r);
     let mut out = Vec::new();
@@ -368,6 +378,21 @@ mod tests {
                 shape.name()
             );
         }
+    }
+
+    #[test]
+    fn another_day_is_drawn_anew_in_the_same_shape() {
+        for shape in Shape::ALL {
+            let (today, yesterday) = (gaps(&shape.generate()), gaps(&shape.another_day(1)));
+            assert_eq!(yesterday.len(), today.len(), "{}", shape.name());
+            assert_ne!(yesterday, today, "{}", shape.name());
+            assert_ne!(gaps(&shape.another_day(2)), yesterday, "{}", shape.name());
+            assert_eq!(shape.another_day(0), shape.generate(), "{}", shape.name());
+        }
+        // The same shape: quiet DMs still wait 20 min - 8 h about half the time.
+        let q = gaps(&Shape::QuietDms.another_day(1));
+        assert!(q.iter().filter(|g| **g >= 1200).count() >= 12, "{q:?}");
+        assert!(q.iter().all(|g| (20..=28_800).contains(g)), "{q:?}");
     }
 
     #[test]
