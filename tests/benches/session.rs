@@ -117,7 +117,7 @@ struct Run<'a> {
     scratch: std::path::PathBuf,
     /// Her gaps of the day before, learned before the first batch (`SEASONED=1`): a Persona
     /// whose habits the gateway already knows, as it does after a restart. Empty: a new one.
-    yesterday: Vec<Duration>,
+    yesterday: &'a [Duration],
 }
 
 impl Run<'_> {
@@ -308,7 +308,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     let mut timelines = Timelines::default();
     let base_tokens = (run.doctrine().len() / 4 + state.len() / 4) as u64;
     let mut t = Telemetry::default();
-    for &gap in &run.yesterday {
+    for &gap in run.yesterday {
         t.gaps.observe(gap);
     }
     let mut r = Report::default();
@@ -317,7 +317,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     let mut last_turn_off = Duration::ZERO;
     for (i, batch) in run.batches().enumerate() {
         // Idle until the batch arrives: keep-warm and eviction as the policy says.
-        let arrive = offset + Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0));
+        let arrive = offset + tests::workload::gap(batch);
         t.batch_waiting = false;
         t.process = if cli.is_some() {
             Process::Running
@@ -786,7 +786,7 @@ async fn rebuild(run: &Run<'_>) -> Report {
     let mut seq = 0u64;
     let mut latency = Vec::new();
     for batch in run.batches() {
-        mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
+        mock.advance(tests::workload::gap(batch));
         let ready = Instant::now();
         let mut ds = deliveries(batch, &mut seq);
         for d in ds.iter_mut() {
@@ -828,7 +828,7 @@ async fn resume(run: &Run<'_>) -> Report {
     let mut latency = Vec::new();
     let mut failures = 0;
     for (i, batch) in run.batches().enumerate() {
-        mock.advance(Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0)));
+        mock.advance(tests::workload::gap(batch));
         let ready = Instant::now();
         let ds = deliveries(batch, &mut seq);
         let mut text = render(&ds, &mut seen, &[]);
@@ -969,8 +969,7 @@ fn main() {
                     .into_iter()
                     .flatten()
                     .skip(1)
-                    .filter_map(|b| b["gap_secs"].as_u64())
-                    .map(Duration::from_secs)
+                    .map(tests::workload::gap)
                     .collect()
             } else {
                 Vec::new()
@@ -991,7 +990,7 @@ fn main() {
                     ttl,
                     latency,
                     scratch: scratch.join(shape.name()),
-                    yesterday: yesterday.clone(),
+                    yesterday: &yesterday,
                 };
                 let rebuild = rebuild(&run).await;
                 print(&rebuild, &rebuild);

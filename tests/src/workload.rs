@@ -293,6 +293,11 @@ fn generate_shape(shape: Shape, seed: u64) -> Value {
     json!({"name": shape.name(), "seed": seed, "doctrine": doctrine, "state": state, "batches": out})
 }
 
+/// The silence before a batch (its `gap_secs`; 0 if missing).
+pub fn gap(batch: &Value) -> std::time::Duration {
+    std::time::Duration::from_secs(batch["gap_secs"].as_u64().unwrap_or(0))
+}
+
 /// Loads a committed workload.
 pub fn load(shape: Shape) -> Result<Value, String> {
     let path = shape.path();
