@@ -217,17 +217,40 @@ struct Timelines(HashMap<String, VecDeque<ContextLine>>);
 
 impl Timelines {
     fn push(&mut self, d: &Delivery) {
-        let t = self.0.entry(d.room_id.clone()).or_default();
+        self.line(
+            &d.room_id,
+            ContextLine {
+                event_id: d.event_id.clone(),
+                sender: d.sender.clone(),
+                sender_name: None,
+                ts: d.ts,
+                text: d.text.clone(),
+            },
+        );
+    }
+    /// Her own reply lines: the gateway's timelines hold what she said too (her `/sync`
+    /// echoes), so a fresh start and the rebuild baseline's context carry them.
+    fn push_reply(&mut self, reply: &Value, seq: &mut u64) {
+        for say in reply["say"].as_array().into_iter().flatten() {
+            *seq += 1;
+            self.line(
+                say["room"].as_str().unwrap_or_default(),
+                ContextLine {
+                    event_id: format!("$e{seq}"),
+                    sender: "@mira:localhost".into(),
+                    sender_name: None,
+                    ts: *seq as i64,
+                    text: say["text"].as_str().unwrap_or_default().into(),
+                },
+            );
+        }
+    }
+    fn line(&mut self, room: &str, line: ContextLine) {
+        let t = self.0.entry(room.to_owned()).or_default();
         if t.len() >= 20 {
             t.pop_front();
         }
-        t.push_back(ContextLine {
-            event_id: d.event_id.clone(),
-            sender: d.sender.clone(),
-            sender_name: None,
-            ts: d.ts,
-            text: d.text.clone(),
-        });
+        t.push_back(line);
     }
     /// What a fresh start sends besides the batch: her state and the last 10 lines of each
     /// room, at most `max_bytes` of lines (the gateway's cap is half of `[persona.limits]
@@ -473,6 +496,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         for d in &ds {
             timelines.push(d);
         }
+        timelines.push_reply(&batch["reply"], &mut seq);
         if t.last_outcome != Outcome::Ok {
             eprintln!("batch {}: outcome {:?}", i + 1, t.last_outcome);
         }
@@ -804,6 +828,7 @@ async fn rebuild(run: &Run<'_>) -> Report {
         for d in &ds {
             timelines.push(d);
         }
+        timelines.push_reply(&batch["reply"], &mut seq);
     }
     let turns = latency.len();
     Report {
@@ -851,6 +876,7 @@ async fn resume(run: &Run<'_>) -> Report {
         for d in &ds {
             timelines.push(d);
         }
+        timelines.push_reply(&batch["reply"], &mut seq);
     }
     let turns = latency.len();
     let mut r = Report {
