@@ -23,7 +23,7 @@
 //! gateway already knows; her gaps are stored and outlive a restart). The summary tables at
 //! the end are the README's.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -213,7 +213,7 @@ fn deliveries(batch: &Value, seq: &mut u64) -> Vec<Delivery> {
 /// Per-room recent lines (bounded): what a fresh start rehydrates from, and the rebuild
 /// baseline's context.
 #[derive(Default)]
-struct Timelines(HashMap<String, VecDeque<ContextLine>>);
+struct Timelines(BTreeMap<String, VecDeque<ContextLine>>);
 
 impl Timelines {
     fn push(&mut self, d: &Delivery) {
@@ -252,9 +252,9 @@ impl Timelines {
         }
         t.push_back(line);
     }
-    /// What a fresh start sends besides the batch: her state and the last 10 lines of each
-    /// room, at most `max_bytes` of lines (the gateway's cap is half of `[persona.limits]
-    /// context_bytes`).
+    /// What a fresh start sends besides the batch: her state and the last `context_lines`
+    /// lines of each room (the gateway's default, 20), at most `max_bytes` of lines (the
+    /// gateway's cap is half of `[persona.limits] context_bytes`), rooms in the inbox's order.
     fn rehydration(&self, state: &str, max_bytes: usize) -> String {
         let rooms: Vec<(&str, Vec<ContextLine>)> = self
             .0
@@ -264,7 +264,7 @@ impl Timelines {
         session::render::rehydration(
             &[session::render::Note::new("state", state)],
             &rooms,
-            10,
+            gateway::config::Limits::default().context_lines,
             max_bytes,
         )
     }
