@@ -857,7 +857,10 @@ impl TurnLoop {
             // A session after an earlier one (not her very first) is given the recent lines.
             let had_session = self.status.turns_total > 0 || self.status.generation > 0;
             let shown: Vec<&str> = stored.iter().map(|n| n.kind.as_str()).collect();
-            text.push_str(&self.rehydration(&shown, had_session));
+            // After the batch: its deliveries and context are not repeated.
+            let mut seen = std::mem::take(&mut self.seen);
+            text.push_str(&self.rehydration(&shown, had_session, &mut seen));
+            self.seen = seen;
         }
         text
     }
@@ -915,7 +918,7 @@ impl TurnLoop {
         };
         self.telemetry.base_tokens = self.prompt_tokens;
         self.telemetry.rehydration_tokens =
-            self.prompt_tokens + self.rehydration(&[], true).len() as u64 / 4;
+            self.prompt_tokens + self.rehydration(&[], true, &mut Seen::default()).len() as u64 / 4;
         let decision = if self.status.session_id.is_none() {
             Decision::Continue
         } else {
@@ -986,7 +989,13 @@ impl TurnLoop {
                         })
                         .await;
                     match receipt.status {
-                        Status::Ok => {}
+                        // Her own line comes back in her rooms' timelines: she said it, so it
+                        // is never shown to her again as context.
+                        Status::Ok => {
+                            if let Some(event) = &receipt.event_id {
+                                self.seen.insert(event);
+                            }
+                        }
                         Status::Failed | Status::Unknown => {
                             return Err(TurnError::Send {
                                 request_id,
@@ -1083,8 +1092,9 @@ impl TurnLoop {
 
     /// What a new session starts from: the latest note of each replacing kind (or her
     /// `state_file` while no `state` note came) other than the kinds `skip` (shown in the batch
-    /// itself), and with `lines` the last lines of her rooms.
-    fn rehydration(&self, skip: &[&str], lines: bool) -> String {
+    /// itself), and with `lines` the last lines of her rooms that `seen` does not hold (it
+    /// records those it shows).
+    fn rehydration(&self, skip: &[&str], lines: bool, seen: &mut Seen) -> String {
         let id = &self.persona.id;
         let mut latest: Vec<Note> = self
             .inbox
@@ -1133,6 +1143,7 @@ impl TurnLoop {
             &refs,
             self.persona.limits.context_lines,
             self.persona.limits.context_bytes / 2,
+            seen,
         )
     }
 

@@ -462,12 +462,17 @@ pub fn validate(
 /// What a new session is given after the batch that starts it: the latest note of each
 /// replacing kind (her state, campaigns, spend, runs; not the history of notes) and the last
 /// `per_room` lines of each room, at most `max_bytes` of lines (the newest kept), so she picks
-/// up where the old session left off without its whole history. With no rooms, no lines part.
+/// up where the old session left off without its whole history.
+///
+/// Lines in `seen` (the batch it follows showed them, as deliveries or context) are left out,
+/// and the lines it shows are recorded there, so no line reaches the new session twice. With
+/// no lines left, no lines part.
 pub fn rehydration(
     latest: &[Note],
     rooms: &[(&str, Vec<ContextLine>)],
     per_room: usize,
     max_bytes: usize,
+    seen: &mut Seen,
 ) -> String {
     let mut s = String::new();
     if !latest.is_empty() {
@@ -476,22 +481,26 @@ pub fn rehydration(
             let _ = writeln!(s, "[{}] {}", n.kind, indent(n.text.trim_end()));
         }
     }
-    if rooms.is_empty() {
-        return s;
-    }
-    s.push_str("\n## recent lines (before this session)\n");
     let mut kept: Vec<String> = Vec::new();
     let mut bytes = 0;
     'rooms: for (room, lines) in rooms {
         for l in lines.iter().rev().take(per_room) {
+            if seen.contains(&l.event_id) {
+                continue;
+            }
             let line = format!("{room} {}: {}\n", l.sender, l.text);
             if bytes + line.len() > max_bytes {
                 break 'rooms;
             }
             bytes += line.len();
             kept.push(line);
+            seen.insert(&l.event_id);
         }
     }
+    if kept.is_empty() {
+        return s;
+    }
+    s.push_str("\n## recent lines (before this session)\n");
     // Rooms in their given order, each room's lines oldest first.
     let mut out_rooms: Vec<Vec<String>> = Vec::new();
     let mut current = String::new();
@@ -849,7 +858,8 @@ mod tests {
             ("!b", vec![line("b1")]),
         ];
         let latest = [Note::new("state", "calm"), Note::new("runs", "run 7 done")];
-        let r = rehydration(&latest, &rooms, 2, 10_000);
+        let mut seen = Seen::default();
+        let r = rehydration(&latest, &rooms, 2, 10_000, &mut seen);
         assert!(
             r.starts_with(
                 "\n## your latest notes (before this session)\n[state] calm\n[runs] run 7 done\n"
@@ -857,14 +867,39 @@ mod tests {
             "{r}"
         );
         assert!(!r.contains("a1") && r.contains("!a @a:l: a2\n!a @a:l: a3\n!b @a:l: b1"));
-        assert!(!rehydration(&[], &rooms, 2, 10_000).contains("notes"));
+        // What it showed is recorded as seen, what it left out is not.
+        assert!(["$a2", "$a3", "$b1"].iter().all(|id| seen.contains(id)));
+        assert!(!seen.contains("$a1"));
+        let fresh = || Seen::default();
+        assert!(!rehydration(&[], &rooms, 2, 10_000, &mut fresh()).contains("notes"));
         assert_eq!(
-            rehydration(&latest[..1], &[], 2, 10_000),
+            rehydration(&latest[..1], &[], 2, 10_000, &mut fresh()),
             "\n## your latest notes (before this session)\n[state] calm\n"
         );
         // A byte cap keeps the newest lines of the first rooms ("!a @a:l: a3\n" is 12 bytes).
-        let capped = rehydration(&[], &rooms, 2, 24);
+        let capped = rehydration(&[], &rooms, 2, 24, &mut fresh());
         assert!(capped.ends_with("!a @a:l: a2\n!a @a:l: a3\n"), "{capped}");
-        assert!(!rehydration(&[], &rooms, 2, 11).contains("!a"));
+        assert!(!rehydration(&[], &rooms, 2, 11, &mut fresh()).contains("!a"));
+    }
+
+    #[test]
+    fn rehydration_leaves_out_what_the_batch_showed() {
+        let line = |t: &str| ContextLine {
+            event_id: format!("${t}"),
+            sender: "@a:l".into(),
+            sender_name: None,
+            ts: 0,
+            text: t.into(),
+        };
+        let rooms = vec![("!a", vec![line("a1"), line("a2"), line("a3")])];
+        // The batch showed a3 as a delivery's context: it is not repeated, and the window is
+        // the room's last two lines all the same (a1 stays out).
+        let mut seen = Seen::default();
+        seen.insert("$a3");
+        let r = rehydration(&[], &rooms, 2, 10_000, &mut seen);
+        assert_eq!(r, "\n## recent lines (before this session)\n!a @a:l: a2\n");
+        // Everything shown already: no lines part at all, not an empty heading.
+        seen.insert("$a2");
+        assert_eq!(rehydration(&[], &rooms, 2, 10_000, &mut seen), "");
     }
 }

@@ -222,6 +222,12 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
         e.last_user_text
     );
     assert!(!e.last_user_text.contains("mood: calm"));
+    // Her own reply is never shown back to her as context: she said it in this session.
+    assert!(
+        !e.last_user_text.contains("second answer"),
+        "{}",
+        e.last_user_text
+    );
 
     // Replacing kinds: a waiting campaigns note is replaced by the next one.
     let mut c = Client::connect(gw.cultnet_addr(), "mind", &mind, Duration::from_secs(30))
@@ -286,9 +292,21 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     let new = status(&dir)["session_id"].as_str().unwrap().to_owned();
     assert_ne!(new, old);
     assert!(e.user_text.contains("## your latest notes (before this session)\n[state] mood: tired\n[campaigns] summer sale\n"), "{}", e.user_text);
-    assert!(e
-        .user_text
-        .contains("## recent lines (before this session)"));
+    // The lobby's earlier lines, hers too, reach the new session once each: as the batch's
+    // context, which the recent lines then leave out.
+    for line in [
+        "hello vera",
+        ": hi all\n",
+        ": third answer\n",
+        ": fifth answer\n",
+    ] {
+        assert_eq!(
+            e.user_text.matches(line).count(),
+            1,
+            "{line:?}: {}",
+            e.user_text
+        );
+    }
     for gone in ["mood: calm", "spring sale", "ops call at nine"] {
         assert!(
             !e.user_text.contains(gone),
@@ -854,9 +872,15 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     assert_ne!(st["session_id"].as_str(), Some(sid.as_str()));
     let last = mock.ledger().last().unwrap().clone();
     assert!(last.last_user_text.contains("third"));
-    assert!(last
-        .last_user_text
-        .contains("## recent lines (before this session)"));
+    // The earlier lines once each (the batch's context), not again as recent lines.
+    for line in ["first", "second", ": one\n", ": two\n"] {
+        assert_eq!(
+            last.last_user_text.matches(line).count(),
+            1,
+            "{line:?}: {}",
+            last.last_user_text
+        );
+    }
     assert_eq!(from_vera(ann, &lobby).await, ["one", "two", "three"]);
     assert!(gw.stop().success());
 }
