@@ -153,16 +153,19 @@ impl Run<'_> {
         self.w["state"].as_str().unwrap_or_default()
     }
 
-    /// The rehydration's byte cap: the gateway's default (half of 16 KiB), except for the long
-    /// conversation, run as a Persona configured to keep her last documents (`context_bytes =
-    /// 327680`): there a fresh start would resend ten documents, so compaction is the cheaper
-    /// way to shrink.
-    fn rehydration_cap(&self) -> usize {
+    /// Her `[persona.limits] context_bytes`: the gateway's default (16 KiB), except for the
+    /// long conversation, run as a Persona configured to keep her last documents (320 KiB).
+    fn context_bytes(&self) -> usize {
         if self.w["name"] == "long-conversation" {
-            327_680 / 2
+            327_680
         } else {
-            gateway::config::Limits::default().context_bytes / 2
+            gateway::config::Limits::default().context_bytes
         }
+    }
+
+    /// The rehydration's byte cap: half of `context_bytes`, as the gateway's.
+    fn rehydration_cap(&self) -> usize {
+        self.context_bytes() / 2
     }
 }
 
@@ -229,10 +232,13 @@ impl Timelines {
         );
     }
     /// Her own reply lines: the gateway's timelines hold what she said too (her `/sync`
-    /// echoes), so a fresh start and the rebuild baseline's context carry them.
-    fn push_reply(&mut self, reply: &Value, seq: &mut u64) {
+    /// echoes), so a fresh start and the rebuild baseline's context carry them. Their event
+    /// ids, which the live session marks seen as the gateway does with its send receipts.
+    fn push_reply(&mut self, reply: &Value, seq: &mut u64) -> Vec<String> {
+        let mut ids = Vec::new();
         for say in reply["say"].as_array().into_iter().flatten() {
             *seq += 1;
+            ids.push(format!("$e{seq}"));
             self.line(
                 say["room"].as_str().unwrap_or_default(),
                 ContextLine {
@@ -244,10 +250,11 @@ impl Timelines {
                 },
             );
         }
+        ids
     }
     fn line(&mut self, room: &str, line: ContextLine) {
         let t = self.0.entry(room.to_owned()).or_default();
-        if t.len() >= 20 {
+        if t.len() >= gateway::inbox::TIMELINE_CAP {
             t.pop_front();
         }
         t.push_back(line);
@@ -255,7 +262,7 @@ impl Timelines {
     /// What a fresh start sends besides the batch: her state and the last `context_lines`
     /// lines of each room (the gateway's default, 20), at most `max_bytes` of lines (the
     /// gateway's cap is half of `[persona.limits] context_bytes`), rooms in the inbox's order.
-    fn rehydration(&self, state: &str, max_bytes: usize) -> String {
+    fn rehydration(&self, state: &str, max_bytes: usize, seen: &mut Seen) -> String {
         let rooms: Vec<(&str, Vec<ContextLine>)> = self
             .0
             .iter()
@@ -266,13 +273,31 @@ impl Timelines {
             &rooms,
             gateway::config::Limits::default().context_lines,
             max_bytes,
+            seen,
         )
     }
+    /// A live delivery's context, as the ear gives it: the room's lines before `event_id`, at
+    /// most `context_lines` and `max_bytes` (render leaves out those the session has seen).
+    fn before(&self, room: &str, event_id: &str, max_bytes: usize) -> Vec<ContextLine> {
+        let lines: Vec<(Option<String>, ContextLine)> = self
+            .0
+            .get(room)
+            .map(|t| t.iter().map(|l| (None, l.clone())).collect())
+            .unwrap_or_default();
+        gateway::event::context_for(
+            lines.iter(),
+            event_id,
+            None,
+            gateway::config::Limits::default().context_lines,
+            max_bytes,
+        )
+    }
+    /// The old design's context: the room's last 20 lines.
     fn context(&self, room: &str) -> Vec<ContextLine> {
         let mut c: Vec<ContextLine> = self
             .0
             .get(room)
-            .map(|t| t.iter().cloned().collect())
+            .map(|t| t.iter().skip(t.len().saturating_sub(20)).cloned().collect())
             .unwrap_or_default();
         // The old design always sent 20 lines; pad a young room with older filler lines.
         while c.len() < 20 {
@@ -387,12 +412,22 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             mock.advance(arrive - offset);
             offset = arrive;
         }
-        let ds = deliveries(batch, &mut seq);
+        let mut ds = deliveries(batch, &mut seq);
+        // As the ear: each line goes into her room's timeline, then its delivery carries the
+        // lines before it.
+        for d in ds.iter_mut() {
+            timelines.push(d);
+            d.context = timelines.before(&d.room_id, &d.event_id, run.context_bytes());
+        }
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
         let cap = run.rehydration_cap();
-        t.rehydration_tokens = (timelines.rehydration(state, cap).len() / 4) as u64 + base_tokens;
+        t.rehydration_tokens = (timelines
+            .rehydration(state, cap, &mut Seen::default())
+            .len()
+            / 4) as u64
+            + base_tokens;
         t.base_tokens = base_tokens;
         let decision = if sid.is_none() {
             Decision::Continue
@@ -450,7 +485,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         }
         let mut text = render(&ds, &mut seen, &[]);
         if reset == Reset::Fresh {
-            text.push_str(&timelines.rehydration(state, cap));
+            text.push_str(&timelines.rehydration(state, cap, &mut seen));
         }
         if cli.is_none() {
             let mut c = base_cfg.clone();
@@ -493,10 +528,10 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             origin + offset,
             &prices,
         );
-        for d in &ds {
-            timelines.push(d);
+        // Her reply: into the timelines, and seen (the gateway marks what it sent).
+        for id in timelines.push_reply(&batch["reply"], &mut seq) {
+            seen.insert(&id);
         }
-        timelines.push_reply(&batch["reply"], &mut seq);
         if t.last_outcome != Outcome::Ok {
             eprintln!("batch {}: outcome {:?}", i + 1, t.last_outcome);
         }
@@ -858,7 +893,7 @@ async fn resume(run: &Run<'_>) -> Report {
         let ds = deliveries(batch, &mut seq);
         let mut text = render(&ds, &mut seen, &[]);
         if i == 0 {
-            text.push_str(&timelines.rehydration(run.state(), run.rehydration_cap()));
+            text.push_str(&timelines.rehydration(run.state(), run.rehydration_cap(), &mut seen));
         }
         mock.script(batch["reply"].clone());
         match one_shot(&base, &sid, i > 0, &text, Compaction::Cli).await {
