@@ -844,15 +844,19 @@ mod tests {
             .is_ok());
     }
 
-    #[test]
-    fn rehydration_keeps_the_last_lines_of_each_room_and_the_state() {
-        let line = |t: &str| ContextLine {
+    /// A room line whose event id is `$` and its text.
+    fn line(t: &str) -> ContextLine {
+        ContextLine {
             event_id: format!("${t}"),
             sender: "@a:l".into(),
             sender_name: None,
             ts: 0,
             text: t.into(),
-        };
+        }
+    }
+
+    #[test]
+    fn rehydration_keeps_the_last_lines_of_each_room_and_the_state() {
         let rooms = vec![
             ("!a", vec![line("a1"), line("a2"), line("a3")]),
             ("!b", vec![line("b1")]),
@@ -884,13 +888,6 @@ mod tests {
 
     #[test]
     fn rehydration_leaves_out_what_the_batch_showed() {
-        let line = |t: &str| ContextLine {
-            event_id: format!("${t}"),
-            sender: "@a:l".into(),
-            sender_name: None,
-            ts: 0,
-            text: t.into(),
-        };
         let rooms = vec![("!a", vec![line("a1"), line("a2"), line("a3")])];
         // The batch showed a3 as a delivery's context: it is not repeated, and the window is
         // the room's last two lines all the same (a1 stays out).
