@@ -640,10 +640,11 @@ impl TurnLoop {
                     cfg.session_id = Some(sid);
                     cfg.resume = true;
                 }
+                // A new session: `fresh_start` forgot what the old one saw. Not here: the
+                // batch it starts with was composed (and marked seen) before the process.
                 None => {
                     cfg.session_id = Some(uuid::Uuid::new_v4().to_string());
                     cfg.resume = false;
-                    self.seen.clear();
                 }
             }
             tracing::info!(persona = %id, session = ?cfg.session_id, resume = cfg.resume, "starting the claude CLI");
@@ -696,8 +697,10 @@ impl TurnLoop {
     }
 
     /// Compacts her conversation with the CLI's `/compact`; when the CLI does not compact
-    /// (an error, no boundary), starts fresh instead. Context lines are sent again afterwards:
-    /// the summary need not keep them.
+    /// (an error, no boundary), starts fresh instead. The summary is her memory of the lines
+    /// she saw, so they are not sent again as context: with a large `context_bytes` that would
+    /// write back much of what the compaction took out (the session benchmark's long
+    /// conversation compacted five times instead of three and cost 1.12x resume-per-turn).
     async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
         let done = match self.ensure_cli().await {
             Ok(cli) => cli.compact().await,
@@ -711,7 +714,6 @@ impl TurnLoop {
                 ..
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
-                self.seen.clear();
                 // The CLI bills a `/compact` as a local command (no usage); its boundary's
                 // post_tokens (the summary and what was kept) is what the compaction wrote.
                 self.telemetry
@@ -934,10 +936,13 @@ impl TurnLoop {
             }
             _ => {}
         }
+        // What the session had seen before this batch: if it refuses the batch, it saw none of it.
+        let seen_before = self.seen.clone();
         let text = self.compose(batch, &stored);
         let mut turn = self.run_cli(&text).await;
         if Self::too_long(&turn) {
             // Refused as too long: compact and retry the same batch once; then start fresh.
+            self.seen = seen_before;
             self.compact("the session refused the turn (context full)")
                 .await?;
             let text = self.compose(batch, &stored);

@@ -465,7 +465,6 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             let summary: u64 = mock.ledger()[before..].iter().map(|e| e.usage.output).sum();
             match compacted {
                 Some(m) => {
-                    seen.clear();
                     r.summaries.push(summary);
                     t.after_compact(m.post_tokens, summary, origin + offset);
                 }

@@ -845,12 +845,10 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
         "{st}"
     );
     assert_eq!(st["session_id"].as_str(), Some(sid.as_str()));
-    assert!(mock
-        .ledger()
-        .last()
-        .unwrap()
-        .last_user_text
-        .contains("second"));
+    let retried = mock.ledger().last().unwrap().last_user_text.clone();
+    assert!(retried.contains("second"));
+    // The summary is her memory of the lines she saw: they are not sent again as context.
+    assert!(!retried.contains("first"), "{retried}");
 
     // Refused again after compacting: a fresh session, given the recent lines.
     let from = mock.ledger().len();
