@@ -238,11 +238,12 @@ impl Timelines {
         let mut ids = Vec::new();
         for say in reply["say"].as_array().into_iter().flatten() {
             *seq += 1;
-            ids.push(format!("$e{seq}"));
+            let id = format!("$e{seq}");
+            ids.push(id.clone());
             self.line(
                 say["room"].as_str().unwrap_or_default(),
                 ContextLine {
-                    event_id: format!("$e{seq}"),
+                    event_id: id,
                     sender: "@mira:localhost".into(),
                     sender_name: None,
                     ts: *seq as i64,
