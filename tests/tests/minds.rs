@@ -828,6 +828,13 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     wait_for_reply(ann, &lobby, "one", Duration::from_secs(90)).await;
     turns_total(&dir, 1, &gw).await;
     let sid = status(&dir)["session_id"].as_str().unwrap().to_owned();
+    // A line of hers from another device: context, never a delivery, first shown in the batch
+    // that will be refused.
+    let phone = tests::matrix::user_client(&url, "vera", "vera-pw", &dir.join("vera-phone")).await;
+    let aside = phone
+        .get_room(lobby.room_id())
+        .expect("vera is in the lobby");
+    aside.send(chat("an aside from her phone")).await.unwrap();
 
     // Refused once: compacted (one summary request), and the same batch goes through.
     let from = mock.ledger().len();
@@ -849,6 +856,11 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     assert!(retried.contains("second"));
     // The summary is her memory of the lines she saw: they are not sent again as context.
     assert!(!retried.contains("first"), "{retried}");
+    // The refused batch was never seen, so its new context comes again with the retry.
+    let refused = mock.ledger()[from].last_user_text.clone();
+    for text in [&refused, &retried] {
+        assert!(text.contains("an aside from her phone"), "{text}");
+    }
 
     // Refused again after compacting: a fresh session, given the recent lines.
     let from = mock.ledger().len();
@@ -879,6 +891,9 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
             last.last_user_text
         );
     }
-    assert_eq!(from_vera(ann, &lobby).await, ["one", "two", "three"]);
+    assert_eq!(
+        from_vera(ann, &lobby).await,
+        ["one", "an aside from her phone", "two", "three"]
+    );
     assert!(gw.stop().success());
 }
