@@ -874,16 +874,15 @@ mod tests {
         // What it showed is recorded as seen, what it left out is not.
         assert!(["$a2", "$a3", "$b1"].iter().all(|id| seen.contains(id)));
         assert!(!seen.contains("$a1"));
-        let fresh = || Seen::default();
-        assert!(!rehydration(&[], &rooms, 2, 10_000, &mut fresh()).contains("notes"));
+        assert!(!rehydration(&[], &rooms, 2, 10_000, &mut Seen::default()).contains("notes"));
         assert_eq!(
-            rehydration(&latest[..1], &[], 2, 10_000, &mut fresh()),
+            rehydration(&latest[..1], &[], 2, 10_000, &mut Seen::default()),
             "\n## your latest notes (before this session)\n[state] calm\n"
         );
         // A byte cap keeps the newest lines of the first rooms ("!a @a:l: a3\n" is 12 bytes).
-        let capped = rehydration(&[], &rooms, 2, 24, &mut fresh());
+        let capped = rehydration(&[], &rooms, 2, 24, &mut Seen::default());
         assert!(capped.ends_with("!a @a:l: a2\n!a @a:l: a3\n"), "{capped}");
-        assert!(!rehydration(&[], &rooms, 2, 11, &mut fresh()).contains("!a"));
+        assert!(!rehydration(&[], &rooms, 2, 11, &mut Seen::default()).contains("!a"));
     }
 
     #[test]

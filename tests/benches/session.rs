@@ -27,6 +27,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use gateway::config::Limits;
 use serde_json::Value;
 use session::cost::{Prices, Ttl};
 use session::driver::{one_shot, refresh_fork, Cli, CliConfig, Compaction};
@@ -153,19 +154,14 @@ impl Run<'_> {
         self.w["state"].as_str().unwrap_or_default()
     }
 
-    /// Her `[persona.limits] context_bytes`: the gateway's default (16 KiB), except for the
-    /// long conversation, run as a Persona configured to keep her last documents (320 KiB).
-    fn context_bytes(&self) -> usize {
+    /// Her `[persona.limits]`: the gateway's defaults, except for the long conversation, run
+    /// as a Persona configured to keep her last documents (`context_bytes` 320 KiB).
+    fn limits(&self) -> Limits {
+        let mut limits = Limits::default();
         if self.w["name"] == "long-conversation" {
-            327_680
-        } else {
-            gateway::config::Limits::default().context_bytes
+            limits.context_bytes = 327_680;
         }
-    }
-
-    /// The rehydration's byte cap: half of `context_bytes`, as the gateway's.
-    fn rehydration_cap(&self) -> usize {
-        self.context_bytes() / 2
+        limits
     }
 }
 
@@ -213,10 +209,10 @@ fn deliveries(batch: &Value, seq: &mut u64) -> Vec<Delivery> {
         .collect()
 }
 
-/// Per-room recent lines (bounded): what a fresh start rehydrates from, and the rebuild
-/// baseline's context.
+/// Per-room recent lines (bounded, each with its thread as the ear keeps them): what a
+/// delivery's context and a fresh start are drawn from, and the rebuild baseline's context.
 #[derive(Default)]
-struct Timelines(BTreeMap<String, VecDeque<ContextLine>>);
+struct Timelines(BTreeMap<String, VecDeque<(Option<String>, ContextLine)>>);
 
 impl Timelines {
     fn push(&mut self, d: &Delivery) {
@@ -258,47 +254,57 @@ impl Timelines {
         if t.len() >= gateway::inbox::TIMELINE_CAP {
             t.pop_front();
         }
-        t.push_back(line);
+        t.push_back((None, line));
     }
-    /// What a fresh start sends besides the batch: her state and the last `context_lines`
-    /// lines of each room (the gateway's default, 20), at most `max_bytes` of lines (the
-    /// gateway's cap is half of `[persona.limits] context_bytes`), rooms in the inbox's order.
-    fn rehydration(&self, state: &str, max_bytes: usize, seen: &mut Seen) -> String {
+    /// What a fresh start sends besides the batch, as the gateway's: her state and the last
+    /// `context_lines` of each room, at most half of `context_bytes` of lines, rooms in the
+    /// inbox's order.
+    fn rehydration(&self, state: &str, limits: &Limits, seen: &mut Seen) -> String {
         let rooms: Vec<(&str, Vec<ContextLine>)> = self
             .0
             .iter()
-            .map(|(room, lines)| (room.as_str(), lines.iter().cloned().collect()))
+            .map(|(room, lines)| {
+                (
+                    room.as_str(),
+                    lines.iter().map(|(_, l)| l.clone()).collect(),
+                )
+            })
             .collect();
         session::render::rehydration(
             &[session::render::Note::new("state", state)],
             &rooms,
-            gateway::config::Limits::default().context_lines,
-            max_bytes,
+            limits.context_lines,
+            limits.context_bytes / 2,
             seen,
         )
     }
     /// A live delivery's context, as the ear gives it: the room's lines before `event_id`, at
-    /// most `context_lines` and `max_bytes` (render leaves out those the session has seen).
-    fn before(&self, room: &str, event_id: &str, max_bytes: usize) -> Vec<ContextLine> {
-        let lines: Vec<(Option<String>, ContextLine)> = self
-            .0
+    /// most `context_lines` and `context_bytes` (render leaves out those the session has seen).
+    fn before(&self, room: &str, event_id: &str, limits: &Limits) -> Vec<ContextLine> {
+        self.0
             .get(room)
-            .map(|t| t.iter().map(|l| (None, l.clone())).collect())
-            .unwrap_or_default();
-        gateway::event::context_for(
-            lines.iter(),
-            event_id,
-            None,
-            gateway::config::Limits::default().context_lines,
-            max_bytes,
-        )
+            .map(|t| {
+                gateway::event::context_for(
+                    t.iter(),
+                    event_id,
+                    None,
+                    limits.context_lines,
+                    limits.context_bytes,
+                )
+            })
+            .unwrap_or_default()
     }
     /// The old design's context: the room's last 20 lines.
     fn context(&self, room: &str) -> Vec<ContextLine> {
         let mut c: Vec<ContextLine> = self
             .0
             .get(room)
-            .map(|t| t.iter().skip(t.len().saturating_sub(20)).cloned().collect())
+            .map(|t| {
+                t.iter()
+                    .skip(t.len().saturating_sub(20))
+                    .map(|(_, l)| l.clone())
+                    .collect()
+            })
             .unwrap_or_default();
         // The old design always sent 20 lines; pad a young room with older filler lines.
         while c.len() < 20 {
@@ -355,6 +361,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
     let mut sid: Option<String> = None;
     let mut seen = Seen::default();
     let mut timelines = Timelines::default();
+    let limits = run.limits();
     let base_tokens = (run.doctrine().len() / 4 + state.len() / 4) as u64;
     let mut t = Telemetry::default();
     for &gap in run.yesterday {
@@ -418,14 +425,13 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         // lines before it.
         for d in ds.iter_mut() {
             timelines.push(d);
-            d.context = timelines.before(&d.room_id, &d.event_id, run.context_bytes());
+            d.context = timelines.before(&d.room_id, &d.event_id, &limits);
         }
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
-        let cap = run.rehydration_cap();
         t.rehydration_tokens = (timelines
-            .rehydration(state, cap, &mut Seen::default())
+            .rehydration(state, &limits, &mut Seen::default())
             .len()
             / 4) as u64
             + base_tokens;
@@ -485,7 +491,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         }
         let mut text = render(&ds, &mut seen, &[]);
         if reset == Reset::Fresh {
-            text.push_str(&timelines.rehydration(state, cap, &mut seen));
+            text.push_str(&timelines.rehydration(state, &limits, &mut seen));
         }
         if cli.is_none() {
             let mut c = base_cfg.clone();
@@ -893,7 +899,7 @@ async fn resume(run: &Run<'_>) -> Report {
         let ds = deliveries(batch, &mut seq);
         let mut text = render(&ds, &mut seen, &[]);
         if i == 0 {
-            text.push_str(&timelines.rehydration(run.state(), run.rehydration_cap(), &mut seen));
+            text.push_str(&timelines.rehydration(run.state(), &run.limits(), &mut seen));
         }
         mock.script(batch["reply"].clone());
         match one_shot(&base, &sid, i > 0, &text, Compaction::Cli).await {
