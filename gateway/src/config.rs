@@ -144,9 +144,10 @@ pub struct SessionConfig {
     pub context_window: u64,
     /// After her cache has expired, a batch starts her fresh (rehydrated from her rooms) only
     /// once her conversation is this percent of what a fresh start sends; below it she goes on
-    /// and the whole conversation is written to the cache again. 100 is cost alone; more pays
-    /// for continuity (in the session benchmark, quiet DMs with 5 minutes: 125 cost 8.7% more
-    /// than 100, which started fresh ten times instead of once). At least 100.
+    /// and the whole conversation is written to the cache again. 100 (the default) is cost
+    /// alone: a fresh start carries her notes and each room's last lines, her own replies
+    /// among them. More pays for continuity: in the session benchmark with 5 minutes, 125 cost
+    /// 4-10% more on the workloads whose caches go cold. At least 100.
     pub continuity_percent: u32,
     /// Her initial state: a new session (her first, or a fresh start) is given it until a
     /// `state` note replaces it.
@@ -207,7 +208,7 @@ impl Default for SessionConfig {
             history_turns: 10_000,
             max_batch: 20,
             context_window: 200_000,
-            continuity_percent: 125,
+            continuity_percent: 100,
             state_file: None,
             reply_schema_file: None,
             checkpoint_before_compact: false,
@@ -1021,7 +1022,7 @@ operators = ["@op:localhost"]
             Config::parse(GOOD).unwrap().personas[0]
                 .session
                 .continuity_percent,
-            125
+            100
         );
         let c = session("continuity_percent = 100").unwrap();
         assert_eq!(c.personas[0].session.continuity_percent, 100);

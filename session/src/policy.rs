@@ -73,7 +73,7 @@ impl Default for PolicyConfig {
             ttl: Ttl::OneHour,
             prices: Prices::default(),
             evict_after: Duration::from_secs(2 * 3600),
-            cold_prefix_factor: 1.25,
+            cold_prefix_factor: 1.0,
             compact_summary_tokens: 4_000,
             keep_warm: true,
             predictive: true,

@@ -350,7 +350,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         pc.keep_warm_lead = Duration::from_secs(lead);
     }
     // COLD_FACTOR=F: after an expired cache, start fresh once the conversation is F times the
-    // rehydration (the default, 1.25, pays for continuity; 1.0 is cost alone).
+    // rehydration (the default, 1.0, is cost alone; more pays for continuity).
     if let Some(f) = env_parsed("COLD_FACTOR") {
         pc.cold_prefix_factor = f;
     }

@@ -104,7 +104,7 @@ fn cold_cache_boundary() {
     let now = Instant::now();
     let c = cfg();
     let mut t = base(now);
-    t.prefix_tokens = 37_501; // just over 1.25 x 30,000
+    t.prefix_tokens = 30_001; // just over 1.0 x 30,000 (the default continuity)
     let touch = now - c.ttl.duration();
     t.last_cache_touch = Some(touch + NS);
     assert_eq!(
@@ -114,7 +114,7 @@ fn cold_cache_boundary() {
     );
     t.last_cache_touch = Some(touch);
     assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::ColdCache));
-    t.prefix_tokens = 37_500;
+    t.prefix_tokens = 30_000;
     assert_eq!(
         decide(&t, now, &c),
         Decision::Continue,
