@@ -435,9 +435,23 @@ impl TurnLoop {
                 };
                 match session::driver::refresh_fork(&self.base, &sid).await {
                     Ok(r) => {
-                        let cost = r.usage.usage().cost(&self.prices);
+                        let usage = r.usage.usage();
+                        let cost = usage.cost(&self.prices);
                         // Its touch is its start: the expiry reckoned from it is never late.
-                        self.telemetry.after_keep_warm(cost, now);
+                        self.telemetry.after_keep_warm(
+                            &usage,
+                            cost,
+                            now,
+                            now.elapsed(),
+                            &self.policy,
+                        );
+                        tracing::info!(
+                            persona = %self.persona.id,
+                            cost,
+                            read = usage.cache_read,
+                            next_lead_ms = self.telemetry.keep_warm_lead(&self.policy).as_millis() as u64,
+                            "kept warm"
+                        );
                     }
                     Err(e) => {
                         tracing::warn!(persona = %self.persona.id, error = %e, "keep-warm failed");

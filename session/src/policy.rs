@@ -56,11 +56,13 @@ pub struct PolicyConfig {
     /// gaps or, where they say nothing, a scale-free prior (see [`GapModel`]); off, the
     /// ski-rental bound alone.
     pub predictive: bool,
-    /// How long before the reckoned expiry a refresh fires: its own start-up (a CLI start and
-    /// one request, 1-2 s) with room to spare. The expiry is reckoned from the start of the
-    /// last request that read the cache (a turn's last request, a refresh), never from a
-    /// turn's end: a long reply streams after its read. Each refresh buys `ttl - lead` of
-    /// warmth, so a long lead is paid for in refreshes.
+    /// How long before the reckoned expiry a refresh fires, at most: its own start-up (a CLI
+    /// start and one request, 1-2 s) with room to spare. Once her refreshes have been timed
+    /// the lead is measured instead ([`Telemetry::keep_warm_lead`]), never more than this.
+    /// The expiry is reckoned from the start of the last request that read the cache (a
+    /// turn's last request, a refresh), never from a turn's end: a long reply streams after
+    /// its read. Each refresh buys `ttl - lead` of warmth, so a long lead is paid for in
+    /// refreshes.
     pub keep_warm_lead: Duration,
 }
 
@@ -88,7 +90,8 @@ impl PolicyConfig {
     /// where it never fired, and cost 3% more on quiet operator DMs; unpredicted, it cost up to
     /// 1.8x what none did.
     ///
-    /// A refresh fires `keep_warm_lead` (10 s, at most a tenth of the TTL) before the expiry.
+    /// A refresh fires at most `keep_warm_lead` (10 s, at most a tenth of the TTL) before the
+    /// expiry; once her refreshes are timed, three times the slowest (at least 3 s).
     /// While a turn's touch was taken at its end, the first refresh after it needed a lead
     /// covering the reply's streaming too (a tenth of the TTL, at most a minute): with 5
     /// minutes that cost one refresh in ten on gaps kept warm.
@@ -168,11 +171,41 @@ pub struct Telemetry {
     /// The last compactions' summary sizes (output tokens), newest last, at most
     /// [`Telemetry::SUMMARIES_KEPT`].
     pub summaries: Vec<u64>,
+    /// How long her last keep-warm refreshes took, start to result, newest last (at most
+    /// [`Telemetry::REFRESHES_KEPT`]); one that found the cache expired counts as the
+    /// configured lead. See [`Telemetry::keep_warm_lead`].
+    pub refreshes_took: Vec<Duration>,
 }
 
 impl Telemetry {
     /// Compaction summaries remembered for the learned size.
     pub const SUMMARIES_KEPT: usize = 4;
+    /// Refresh durations remembered for the measured lead: one that found the cache expired
+    /// holds the lead at its ceiling for this many refreshes.
+    pub const REFRESHES_KEPT: usize = 16;
+    /// The measured lead is this many times the slowest refresh remembered...
+    pub const LEAD_MARGIN: u32 = 3;
+    /// ...and never shorter than this.
+    pub const MIN_LEAD: Duration = Duration::from_secs(3);
+
+    /// How long before the reckoned expiry a refresh fires. A refresh's request reads the
+    /// cache some time after it starts (the CLI's start-up, then the request's way to the
+    /// API); its whole duration, answer included, bounds that. So the lead is
+    /// [`Self::LEAD_MARGIN`] times the slowest of her last refreshes, at least
+    /// [`Self::MIN_LEAD`] and at most the configured `keep_warm_lead`, which is also the lead
+    /// before any refresh has been timed. A lead too short costs a rewrite of the whole
+    /// prefix (1.25x against a read's 0.1x, the saving of hundreds of refreshes' shorter
+    /// leads), so a refresh that finds the cache expired puts the lead back at its ceiling
+    /// for the next [`Self::REFRESHES_KEPT`] refreshes.
+    pub fn keep_warm_lead(&self, c: &PolicyConfig) -> Duration {
+        match self.refreshes_took.iter().max() {
+            None => c.keep_warm_lead,
+            Some(slowest) => slowest
+                .saturating_mul(Self::LEAD_MARGIN)
+                .max(Self::MIN_LEAD)
+                .min(c.keep_warm_lead),
+        }
+    }
 
     /// Books a batch ready at `now`: its gap since her last turn feeds [`GapModel`]. Whether
     /// a gap was booked (not before her first turn).
@@ -237,11 +270,33 @@ impl Telemetry {
         self.last_cache_touch = Some(read_at);
     }
 
-    /// Books a keep-warm refresh that cost `dollars` and started at `started` (before its
-    /// request read the cache, so the expiry reckoned from it is never late).
-    pub fn after_keep_warm(&mut self, dollars: f64, started: Instant) {
+    /// Whether a keep-warm refresh with `usage` found (part of) the cache expired: it read
+    /// less than nine tenths of the prefix.
+    pub fn refresh_missed(&self, usage: &crate::cost::Usage) -> bool {
+        usage.cache_read.saturating_mul(10) < self.prefix_tokens.saturating_mul(9)
+    }
+
+    /// Books a keep-warm refresh with `usage`, costing `dollars`, started at `started` (before
+    /// its request read the cache, so the expiry reckoned from it is never late) and taking
+    /// `took`. One that [missed](Self::refresh_missed) holds the lead at the configured ceiling (see [`Self::keep_warm_lead`]).
+    /// A long last reply, written in its tail, can look like that too; then the lead is only
+    /// longer than it need be for a while.
+    pub fn after_keep_warm(
+        &mut self,
+        usage: &crate::cost::Usage,
+        dollars: f64,
+        started: Instant,
+        took: Duration,
+        c: &PolicyConfig,
+    ) {
+        let missed = self.refresh_missed(usage);
         self.keep_warm_cost += dollars;
         self.last_cache_touch = Some(started);
+        if self.refreshes_took.len() == Self::REFRESHES_KEPT {
+            self.refreshes_took.remove(0);
+        }
+        self.refreshes_took
+            .push(if missed { c.keep_warm_lead } else { took });
     }
 }
 
@@ -364,7 +419,8 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
         return false;
     }
     let expiry = touch + c.ttl.duration();
-    let fire_at = expiry.checked_sub(c.keep_warm_lead).unwrap_or(touch);
+    let lead = t.keep_warm_lead(c);
+    let fire_at = expiry.checked_sub(lead).unwrap_or(touch);
     let rewrite = avoided_rewrite_cost(t, c);
     let refresh = refresh_cost(t, c);
     if !(now >= fire_at && now < expiry && t.keep_warm_cost + refresh <= rewrite) {
@@ -382,7 +438,7 @@ fn keep_warm_due(t: &Telemetry, now: Instant, c: &PolicyConfig) -> bool {
     let left = ((rewrite - t.keep_warm_cost) / refresh)
         .floor()
         .clamp(1.0, 1e4) as u32;
-    let period = c.ttl.duration().saturating_sub(c.keep_warm_lead);
+    let period = c.ttl.duration().saturating_sub(lead);
     t.gaps
         .keep_warm_gain(idle, period, c.ttl.duration(), saving, refresh, left)
         > 0.0
@@ -397,7 +453,7 @@ pub fn next_check(t: &Telemetry, c: &PolicyConfig, fired: Option<Instant>) -> Op
         .filter(|_| c.keep_warm && t.prefix_tokens > 0)
         .map(|touch| {
             (touch + c.ttl.duration())
-                .checked_sub(c.keep_warm_lead)
+                .checked_sub(t.keep_warm_lead(c))
                 .unwrap_or(touch)
         });
     let evict = t

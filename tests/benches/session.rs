@@ -395,11 +395,18 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             match decide(&t, origin + offset, &pc) {
                 Decision::KeepWarm => {
                     let before = mock.ledger().len();
+                    let started = Instant::now();
                     if let Some(id) = &sid {
                         let _ = refresh_fork(&base_cfg, id).await;
                     }
-                    let spent: f64 = mock.ledger()[before..].iter().map(|e| e.cost).sum();
-                    t.after_keep_warm(spent, origin + offset);
+                    let took = started.elapsed();
+                    let ledger = mock.ledger();
+                    let spent: f64 = ledger[before..].iter().map(|e| e.cost).sum();
+                    let usage = ledger[before..].last().map(|e| e.usage).unwrap_or_default();
+                    if t.refresh_missed(&usage) {
+                        *r.restarts.entry("missed refreshes".into()).or_insert(0) += 1;
+                    }
+                    t.after_keep_warm(&usage, spent, origin + offset, took, &pc);
                     last_touch_off = offset;
                     r.keep_warm += 1;
                     r.keep_warm_cost += spent;

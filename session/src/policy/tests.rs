@@ -578,7 +578,12 @@ fn the_expiry_is_reckoned_from_the_last_read_not_the_turns_end() {
         // Her next gap is still measured from the turn's end.
         assert_eq!(t.last_turn_at, Some(ended));
         // A refresh touched at its start: the next fires a lead before its expiry.
-        t.after_keep_warm(0.01, first);
+        let read = crate::cost::Usage {
+            cache_read: 29_800,
+            ..Default::default()
+        };
+        // It took long enough that the measured lead is the configured one.
+        t.after_keep_warm(&read, 0.01, first, Duration::from_secs(4), &c);
         let second = next_check(&t, &c, None).unwrap();
         assert_eq!(
             second,
@@ -595,4 +600,53 @@ fn the_expiry_is_reckoned_from_the_last_read_not_the_turns_end() {
         );
         assert_eq!(t.last_cache_touch, Some(second));
     }
+}
+
+#[test]
+fn the_lead_is_measured_from_her_refreshes_and_a_miss_puts_it_back() {
+    let now = Instant::now();
+    let c = PolicyConfig::for_ttl(Ttl::FiveMinutes);
+    let mut t = base(now);
+    t.batch_waiting = false;
+    t.prefix_tokens = 30_000;
+    t.last_cache_touch = Some(now);
+    let ttl = c.ttl.duration();
+    assert_eq!(t.keep_warm_lead(&c), c.keep_warm_lead, "none timed yet");
+    assert_eq!(next_check(&t, &c, None), Some(now + ttl - c.keep_warm_lead));
+    let read = crate::cost::Usage {
+        cache_read: 29_800,
+        ..Default::default()
+    };
+    let missed = crate::cost::Usage {
+        cache_read: 24_000,
+        cache_write_5m: 6_000,
+        ..Default::default()
+    };
+    assert!(!t.refresh_missed(&read));
+    assert!(t.refresh_missed(&missed));
+    // A quick refresh: the floor.
+    let at = now + ttl - c.keep_warm_lead;
+    t.after_keep_warm(&read, 0.01, at, Duration::from_millis(600), &c);
+    assert_eq!(t.keep_warm_lead(&c), Telemetry::MIN_LEAD);
+    let fire = at + ttl - Telemetry::MIN_LEAD;
+    assert_eq!(next_check(&t, &c, None), Some(fire));
+    assert!(!keep_warm_due(&t, fire - NS, &c));
+    assert!(keep_warm_due(&t, fire, &c));
+    // A slower one: three times the slowest.
+    t.after_keep_warm(&read, 0.01, fire, Duration::from_secs(2), &c);
+    assert_eq!(t.keep_warm_lead(&c), Duration::from_secs(6));
+    // One that found the cache expired: the ceiling, for the next REFRESHES_KEPT refreshes.
+    t.after_keep_warm(&missed, 0.01, fire, Duration::from_millis(600), &c);
+    assert_eq!(t.keep_warm_lead(&c), c.keep_warm_lead);
+    for _ in 1..Telemetry::REFRESHES_KEPT {
+        t.after_keep_warm(&read, 0.01, fire, Duration::from_millis(600), &c);
+        assert_eq!(t.keep_warm_lead(&c), c.keep_warm_lead);
+    }
+    t.after_keep_warm(&read, 0.01, fire, Duration::from_millis(600), &c);
+    assert_eq!(
+        t.keep_warm_lead(&c),
+        Telemetry::MIN_LEAD,
+        "the miss forgotten"
+    );
+    assert_eq!(t.refreshes_took.len(), Telemetry::REFRESHES_KEPT);
 }
