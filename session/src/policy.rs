@@ -278,9 +278,9 @@ impl Telemetry {
 
     /// Books a keep-warm refresh with `usage`, costing `dollars`, started at `started` (before
     /// its request read the cache, so the expiry reckoned from it is never late) and taking
-    /// `took`. One that [missed](Self::refresh_missed) holds the lead at the configured ceiling (see [`Self::keep_warm_lead`]).
-    /// A long last reply, written in its tail, can look like that too; then the lead is only
-    /// longer than it need be for a while.
+    /// `took`. One that [missed](Self::refresh_missed) holds the lead at the configured
+    /// ceiling (see [`Self::keep_warm_lead`]). A long last reply, written in its tail, can
+    /// look like a miss too; then the lead is only longer than it need be for a while.
     pub fn after_keep_warm(
         &mut self,
         usage: &crate::cost::Usage,
