@@ -17,10 +17,12 @@
 //!
 //! `cargo bench -p tests --bench session` (all workloads, about an hour). `WORKLOADS=busy-room,
 //! quiet-dms` picks some, `BATCHES=N` replays only the first N batches of each, `TTLS=5m` one
-//! TTL; `LEAD_SECS=N` and `COLD_FACTOR=F` change the policy's refresh lead and continuity factor,
+//! TTL; `LEAD_SECS=N` and `COLD_FACTOR=F` change the policy's refresh lead (its ceiling: the lead
+//! is measured from her refreshes) and continuity factor,
 //! `SCHEDULE=1` prints where live lost to the optimum, `LEDGER=1` the mock's requests;
 //! `SEASONED=1` lets live learn her gaps of another day of the same shape first (a Persona the
-//! gateway already knows; her gaps are stored and outlive a restart). The summary tables at
+//! gateway already knows; her gaps are stored and outlive a restart); `DAYS=N` replays N days
+//! of the shape in one life (the committed day first). The summary tables at
 //! the end are the README's.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -345,7 +347,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         predictive: keep == KeepWarm::Predictive,
         ..PolicyConfig::for_ttl(ttl)
     };
-    // LEAD_SECS=N: refresh N seconds before expiry instead of the default lead.
+    // LEAD_SECS=N: refresh at most N seconds before expiry instead of the default ceiling.
     if let Some(lead) = env_parsed("LEAD_SECS") {
         pc.keep_warm_lead = Duration::from_secs(lead);
     }
@@ -1022,6 +1024,7 @@ fn main() {
     let only = env_parsed("BATCHES");
     // SEASONED=1: live knows her gaps of another day of the same shape before the first batch.
     let seasoned = std::env::var_os("SEASONED").is_some();
+    let days: u64 = env_parsed("DAYS").unwrap_or(1).max(1);
     let latency = Duration::from_millis(env_parsed("LATENCY_MS").unwrap_or(200));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1033,8 +1036,18 @@ fn main() {
     let mut rows = Vec::new();
     rt.block_on(async {
         for shape in shapes {
-            let w = tests::workload::load(shape).expect("committed workload");
-            let n = only.unwrap_or(usize::MAX).min(shape.batches());
+            let mut w = tests::workload::load(shape).expect("committed workload");
+            // DAYS=N: the committed day, then N-1 more of the same shape (drawn from other
+            // seeds than SEASONED's day before), one life: how a rule that pays back over time
+            // (ski rental) fares past one day's end.
+            for day in 1..days {
+                let more = shape.another_day(day + 1)["batches"].clone();
+                if let (Some(all), Some(more)) = (w["batches"].as_array_mut(), more.as_array()) {
+                    all.extend(more.iter().cloned());
+                }
+            }
+            let total = w["batches"].as_array().map_or(0, Vec::len);
+            let n = only.unwrap_or(usize::MAX).min(total);
             // The day before's gaps between batches (its first gap follows the day before it).
             let yesterday: Vec<Duration> = if seasoned {
                 let day = shape.another_day(1);
