@@ -5,7 +5,8 @@
 //! - **rebuild**: a new process per batch with the doctrine and state as system prompt and 20
 //!   context lines per delivery (the old design);
 //! - **resume**: a new process per batch that resumes one session (`claude -p --resume`, its
-//!   own auto-compaction on: the CLI's defaults, the way a per-turn harness runs it);
+//!   own auto-compaction on: the CLI's defaults, the way a per-turn harness runs it), fed the
+//!   same batches as live;
 //! - **live**: one process fed each batch, every fresh start, compaction (by the CLI's
 //!   `/compact`), eviction and keep-warm decided by `session::policy::decide`; with 5 minutes
 //!   also without keep-warm and with keep-warm unpredicted, to show what prediction does.
@@ -889,7 +890,9 @@ async fn rebuild(run: &Run<'_>) -> Report {
 }
 
 /// A new process per batch resuming one session, with the CLI's defaults (its own
-/// auto-compaction): the first batch carries her state and the rooms' lines like a fresh start.
+/// auto-compaction), fed the batches live is fed (the ear's context, her replies seen): the
+/// gateway with a process per turn instead of its policy. The first batch carries her state and
+/// the rooms' lines like a fresh start.
 async fn resume(run: &Run<'_>) -> Report {
     let mock = run.mock().await;
     let dir = run.dir("resume");
@@ -897,6 +900,7 @@ async fn resume(run: &Run<'_>) -> Report {
     std::fs::write(&system, run.doctrine()).expect("doctrine");
     let base = cfg(&mock, &dir, &system, run.ttl);
     let sid = tests::claude_cli::new_session_id();
+    let limits = run.limits();
     let mut timelines = Timelines::default();
     let mut seen = Seen::default();
     let mut seq = 0u64;
@@ -905,10 +909,16 @@ async fn resume(run: &Run<'_>) -> Report {
     for (i, batch) in run.batches().enumerate() {
         mock.advance(tests::workload::gap(batch));
         let ready = Instant::now();
-        let ds = deliveries(batch, &mut seq);
+        // The gateway's batch, as live gets it: each delivery with the ear's context, leaving
+        // out what the session has seen (her replies included); only the process differs.
+        let mut ds = deliveries(batch, &mut seq);
+        for d in ds.iter_mut() {
+            timelines.push(d);
+            d.context = timelines.before(&d.room_id, &d.event_id, &limits);
+        }
         let mut text = render(&ds, &mut seen, &[]);
         if i == 0 {
-            text.push_str(&timelines.rehydration(run.state(), &run.limits(), &mut seen));
+            text.push_str(&timelines.rehydration(run.state(), &limits, &mut seen));
         }
         mock.script(batch["reply"].clone());
         match one_shot(&base, &sid, i > 0, &text, Compaction::Cli).await {
@@ -923,10 +933,9 @@ async fn resume(run: &Run<'_>) -> Report {
             }
         }
         latency.push(ready.elapsed());
-        for d in &ds {
-            timelines.push(d);
+        for id in timelines.push_reply(&batch["reply"], &mut seq) {
+            seen.insert(&id);
         }
-        timelines.push_reply(&batch["reply"], &mut seq);
     }
     let turns = latency.len();
     let mut r = Report {
