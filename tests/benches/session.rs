@@ -218,6 +218,15 @@ fn deliveries(batch: &Value, seq: &mut u64) -> Vec<Delivery> {
 struct Timelines(BTreeMap<String, VecDeque<(Option<String>, ContextLine)>>);
 
 impl Timelines {
+    /// As the ear: each line goes into her room's timeline, then its delivery carries the
+    /// lines before it (render leaves out those the session has seen).
+    fn receive(&mut self, ds: &mut [Delivery], limits: &Limits) {
+        for d in ds.iter_mut() {
+            self.push(d);
+            d.context = self.before(&d.room_id, &d.event_id, limits);
+        }
+    }
+
     fn push(&mut self, d: &Delivery) {
         self.line(
             &d.room_id,
@@ -431,12 +440,7 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
             offset = arrive;
         }
         let mut ds = deliveries(batch, &mut seq);
-        // As the ear: each line goes into her room's timeline, then its delivery carries the
-        // lines before it.
-        for d in ds.iter_mut() {
-            timelines.push(d);
-            d.context = timelines.before(&d.room_id, &d.event_id, &limits);
-        }
+        timelines.receive(&mut ds, &limits);
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
@@ -912,10 +916,7 @@ async fn resume(run: &Run<'_>) -> Report {
         // The gateway's batch, as live gets it: each delivery with the ear's context, leaving
         // out what the session has seen (her replies included); only the process differs.
         let mut ds = deliveries(batch, &mut seq);
-        for d in ds.iter_mut() {
-            timelines.push(d);
-            d.context = timelines.before(&d.room_id, &d.event_id, &limits);
-        }
+        timelines.receive(&mut ds, &limits);
         let mut text = render(&ds, &mut seen, &[]);
         if i == 0 {
             text.push_str(&timelines.rehydration(run.state(), &limits, &mut seen));
@@ -1050,9 +1051,9 @@ fn main() {
             // seeds than SEASONED's day before), one life: how a rule that pays back over time
             // (ski rental) fares past one day's end.
             for day in 1..days {
-                let more = shape.another_day(day + 1)["batches"].clone();
-                if let (Some(all), Some(more)) = (w["batches"].as_array_mut(), more.as_array()) {
-                    all.extend(more.iter().cloned());
+                let more = shape.another_day(day + 1)["batches"].take();
+                if let (Some(all), Value::Array(more)) = (w["batches"].as_array_mut(), more) {
+                    all.extend(more);
                 }
             }
             let total = w["batches"].as_array().map_or(0, Vec::len);
