@@ -438,7 +438,7 @@ impl TurnLoop {
                         let usage = r.usage.usage();
                         let cost = usage.cost(&self.prices);
                         // Its touch is its start: the expiry reckoned from it is never late.
-                        self.telemetry.after_keep_warm(
+                        let missed = self.telemetry.after_keep_warm(
                             &usage,
                             cost,
                             now,
@@ -448,6 +448,7 @@ impl TurnLoop {
                         tracing::info!(
                             persona = %self.persona.id,
                             cost,
+                            missed,
                             read = usage.cache_read,
                             next_lead_ms = self.telemetry.keep_warm_lead(&self.policy).as_millis() as u64,
                             "kept warm"

@@ -272,7 +272,7 @@ impl Telemetry {
 
     /// Whether a keep-warm refresh with `usage` found (part of) the cache expired: it read
     /// less than nine tenths of the prefix.
-    pub fn refresh_missed(&self, usage: &crate::cost::Usage) -> bool {
+    fn refresh_missed(&self, usage: &crate::cost::Usage) -> bool {
         usage.cache_read.saturating_mul(10) < self.prefix_tokens.saturating_mul(9)
     }
 
@@ -281,6 +281,7 @@ impl Telemetry {
     /// `took`. One that [missed](Self::refresh_missed) holds the lead at the configured
     /// ceiling (see [`Self::keep_warm_lead`]). A long last reply, written in its tail, can
     /// look like a miss too; then the lead is only longer than it need be for a while.
+    /// Whether it missed, for the caller's log and count.
     pub fn after_keep_warm(
         &mut self,
         usage: &crate::cost::Usage,
@@ -288,7 +289,7 @@ impl Telemetry {
         started: Instant,
         took: Duration,
         c: &PolicyConfig,
-    ) {
+    ) -> bool {
         let missed = self.refresh_missed(usage);
         self.keep_warm_cost += dollars;
         self.last_cache_touch = Some(started);
@@ -297,6 +298,7 @@ impl Telemetry {
         }
         self.refreshes_took
             .push(if missed { c.keep_warm_lead } else { took });
+        missed
     }
 }
 

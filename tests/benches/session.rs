@@ -415,10 +415,9 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
                     let ledger = mock.ledger();
                     let spent: f64 = ledger[before..].iter().map(|e| e.cost).sum();
                     let usage = ledger[before..].last().map(|e| e.usage).unwrap_or_default();
-                    if t.refresh_missed(&usage) {
+                    if t.after_keep_warm(&usage, spent, origin + offset, took, &pc) {
                         *r.restarts.entry("missed refreshes".into()).or_insert(0) += 1;
                     }
-                    t.after_keep_warm(&usage, spent, origin + offset, took, &pc);
                     last_touch_off = offset;
                     r.keep_warm += 1;
                     r.keep_warm_cost += spent;
@@ -1171,12 +1170,12 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let (n, by_threshold) = threshold_ratio(&r.live, r.ttl);
-        let optimum = r.live.cost / optimum_ratio(&r.live, r.ttl);
+        let ratio = optimum_ratio(&r.live, r.ttl);
+        let optimum = r.live.cost / ratio;
         println!(
-            "| {} | {} | {:.3}x | {by_threshold:.3}x | {n} | {:.2}x | {:.2}x | {:.2}x |",
+            "| {} | {} | {ratio:.3}x | {by_threshold:.3}x | {n} | {:.2}x | {:.2}x | {:.2}x |",
             r.workload,
             ttl_name(r.ttl),
-            optimum_ratio(&r.live, r.ttl),
             optimum / r.rebuild.cost,
             optimum * by_threshold / r.rebuild.cost,
             optimum / r.resume.cost,

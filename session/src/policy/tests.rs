@@ -626,7 +626,7 @@ fn the_lead_is_measured_from_her_refreshes_and_a_miss_puts_it_back() {
     assert!(t.refresh_missed(&missed));
     // A quick refresh: the floor.
     let at = now + ttl - c.keep_warm_lead;
-    t.after_keep_warm(&read, 0.01, at, Duration::from_millis(600), &c);
+    assert!(!t.after_keep_warm(&read, 0.01, at, Duration::from_millis(600), &c));
     assert_eq!(t.keep_warm_lead(&c), Telemetry::MIN_LEAD);
     let fire = at + ttl - Telemetry::MIN_LEAD;
     assert_eq!(next_check(&t, &c, None), Some(fire));
@@ -636,7 +636,7 @@ fn the_lead_is_measured_from_her_refreshes_and_a_miss_puts_it_back() {
     t.after_keep_warm(&read, 0.01, fire, Duration::from_secs(2), &c);
     assert_eq!(t.keep_warm_lead(&c), Duration::from_secs(6));
     // One that found the cache expired: the ceiling, for the next REFRESHES_KEPT refreshes.
-    t.after_keep_warm(&missed, 0.01, fire, Duration::from_millis(600), &c);
+    assert!(t.after_keep_warm(&missed, 0.01, fire, Duration::from_millis(600), &c));
     assert_eq!(t.keep_warm_lead(&c), c.keep_warm_lead);
     for _ in 1..Telemetry::REFRESHES_KEPT {
         t.after_keep_warm(&read, 0.01, fire, Duration::from_millis(600), &c);
