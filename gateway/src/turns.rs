@@ -154,8 +154,13 @@ pub struct TurnRecord {
     pub watermark_tokens: u64,
     /// The model's context window (tokens).
     pub window_tokens: u64,
-    /// What starting fresh would cost now (the ski-rental rule's rebuild), dollars.
+    /// What a rebuild (a new session given the rehydration, as the old design did every turn)
+    /// would cost now, dollars.
     pub rebuild_usd: f64,
+    /// What a fresh start of her session would cost now, dollars: the rebuild, and the recent
+    /// lines of her rooms this session holds that the rehydration leaves out, which their next
+    /// batches would show again (the price the ski-rental rule weighs).
+    pub fresh_start_usd: f64,
 }
 
 #[derive(Debug, Default, Serialize, serde::Deserialize)]
@@ -875,8 +880,13 @@ impl TurnLoop {
             let had_session = self.status.turns_total > 0 || self.status.generation > 0;
             let shown: Vec<&str> = stored.iter().map(|n| n.kind.as_str()).collect();
             // After the batch: its deliveries and context are not repeated.
+            let rooms = if had_session {
+                self.room_lines()
+            } else {
+                Vec::new()
+            };
             let mut seen = std::mem::take(&mut self.seen);
-            text.push_str(&self.rehydration(&shown, had_session, &mut seen));
+            text.push_str(&self.rehydration(&shown, &rooms, &mut seen));
             self.seen = seen;
         }
         text
@@ -934,8 +944,20 @@ impl TurnLoop {
             Process::Stopped
         };
         self.telemetry.base_tokens = self.prompt_tokens;
+        // What a fresh start would write: its rehydration, then the lines this session holds
+        // that the rehydration leaves out, which her rooms' next batches show again.
+        let timelines = self.room_lines();
+        let mut carried = Seen::default();
         self.telemetry.rehydration_tokens =
-            self.prompt_tokens + self.rehydration(&[], true, &mut Seen::default()).len() as u64 / 4;
+            self.prompt_tokens + self.rehydration(&[], &timelines, &mut carried).len() as u64 / 4;
+        self.telemetry.resend_tokens = render::resent_bytes(
+            &timelines,
+            self.persona.limits.context_lines,
+            self.persona.limits.context_bytes,
+            &self.seen,
+            &carried,
+        ) as u64
+            / 4;
         let decision = if self.status.session_id.is_none() {
             Decision::Continue
         } else {
@@ -1092,7 +1114,13 @@ impl TurnLoop {
                 + usage.cache_write_1h,
             watermark_tokens: self.policy.watermark_tokens(),
             window_tokens: self.policy.context_window,
-            rebuild_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
+            // A rebuild's (the old design's) price, not a fresh start's: that also counts
+            // what her rooms would send again, which a rebuild per turn never held.
+            rebuild_usd: Prices::dollars(
+                self.telemetry.rehydration_tokens,
+                self.policy.prices.write(self.policy.ttl),
+            ),
+            fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
         };
         let m = crate::metrics::global();
         m.turn(
@@ -1110,11 +1138,36 @@ impl TurnLoop {
         Ok(())
     }
 
+    /// Her rooms' timelines as the inbox holds them, oldest line first.
+    fn room_lines(&self) -> Vec<(String, Vec<wire::docs::ContextLine>)> {
+        let id = &self.persona.id;
+        self.inbox
+            .timeline_rooms(id)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|room| {
+                let lines = self
+                    .inbox
+                    .timeline(id, &room)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|l| l.line)
+                    .collect();
+                (room, lines)
+            })
+            .collect()
+    }
+
     /// What a new session starts from: the latest note of each replacing kind (or her
     /// `state_file` while no `state` note came) other than the kinds `skip` (shown in the batch
-    /// itself), and with `lines` the last lines of her rooms that `seen` does not hold (it
-    /// records those it shows).
-    fn rehydration(&self, skip: &[&str], lines: bool, seen: &mut Seen) -> String {
+    /// itself), and the last lines of `rooms` that `seen` does not hold (it records those it
+    /// shows).
+    fn rehydration(
+        &self,
+        skip: &[&str],
+        rooms: &[(String, Vec<wire::docs::ContextLine>)],
+        seen: &mut Seen,
+    ) -> String {
         let id = &self.persona.id;
         let mut latest: Vec<Note> = self
             .inbox
@@ -1137,30 +1190,9 @@ impl TurnLoop {
             }
         }
         latest.retain(|n| !skip.contains(&n.kind.as_str()));
-        let rooms: Vec<(String, Vec<wire::docs::ContextLine>)> = if lines {
-            self.inbox
-                .timeline_rooms(id)
-                .unwrap_or_default()
-                .into_iter()
-                .map(|room| {
-                    let lines = self
-                        .inbox
-                        .timeline(id, &room)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|l| l.line)
-                        .collect();
-                    (room, lines)
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let refs: Vec<(&str, Vec<wire::docs::ContextLine>)> =
-            rooms.iter().map(|(r, l)| (r.as_str(), l.clone())).collect();
         render::rehydration(
             &latest,
-            &refs,
+            rooms,
             self.persona.limits.context_lines,
             self.persona.limits.context_bytes / 2,
             seen,

@@ -8,8 +8,8 @@
 //! 3. A batch waits, the cache has expired, and the prefix is large: resuming would rewrite the
 //!    whole prefix at the write price, so start fresh (rehydrated) if that is cheaper.
 //! 4. Ski rental: shrink (compact or start fresh, whichever costs less) once the cache reads
-//!    paid above the rehydration size since the last fresh start reach the cost of one rebuild
-//!    (at most twice the hindsight optimum).
+//!    (turns' and keep-warm refreshes') paid above the rehydration size since the last fresh
+//!    start reach the cost of a fresh start (at most twice the hindsight optimum).
 //! 5. Idle (no batch): refresh the cache shortly before it expires while the refreshes paid
 //!    since the last turn stay below the cost of the rewrite they avoid (ski rental again),
 //!    and only when a batch is likely enough to come while the refreshed entries live for the
@@ -17,6 +17,13 @@
 //!    nothing by a scale-free prior: the longer a silence has lasted, the longer it goes on);
 //!    otherwise evict a process idle for longer than `evict_after` (its session stays resumable).
 //!
+//! A fresh start's cost ([`rebuild_cost`]) counts what it writes: the rehydration now, and the
+//! recent lines of her rooms that the rehydration leaves out, which each room's next batch
+//! shows again. The rent weighed against it (rule 4) is the reads above the rehydration alone,
+//! since a new session starts from that and the lines come back only with their rooms. After an
+//! expired cache (rule 3) the comparison is with the rehydration alone too: a cold session
+//! rewrites its whole conversation at every expiry, a room's lines are sent again once (in the
+//! session benchmark, counting them there cost the reference 1% more with 5 minutes).
 //! A compaction's cost counts the summary it writes: the mean of the last compactions' summary
 //! sizes once there has been one, `compact_summary_tokens` before.
 //!
@@ -154,6 +161,11 @@ pub struct Telemetry {
     pub prefix_tokens: u64,
     /// What a fresh start would send: system prompt, Persona state, recent room timelines.
     pub rehydration_tokens: u64,
+    /// Her rooms' recent lines that the session holds and a fresh start's rehydration would
+    /// leave out (it carries at most half of `context_bytes` of lines): each of those rooms'
+    /// next batch shows them again as context, so a fresh start writes them too. With more
+    /// rooms than the rehydration holds, this is most of a fresh start's price.
+    pub resend_tokens: u64,
     /// The part of the rehydration that a compaction keeps too (system prompt and state).
     pub base_tokens: u64,
     /// When the last request that read or wrote the cache began (a turn's last request, a
@@ -162,7 +174,9 @@ pub struct Telemetry {
     pub last_cache_touch: Option<Instant>,
     /// End of the last turn.
     pub last_turn_at: Option<Instant>,
-    /// Dollars of cache reads above the rehydration size, summed since the last fresh start.
+    /// Dollars of cache reads (turns' and keep-warm refreshes') above the rehydration size,
+    /// summed since the last fresh start: the rent of the conversation, which ski rental weighs
+    /// against a fresh start.
     pub excess_read_cost: f64,
     /// Dollars of keep-warm refreshes since the last turn.
     pub keep_warm_cost: f64,
@@ -187,6 +201,11 @@ impl Telemetry {
     pub const LEAD_MARGIN: u32 = 3;
     /// ...and never shorter than this.
     pub const MIN_LEAD: Duration = Duration::from_secs(3);
+
+    /// What a fresh start writes: the rehydration, then the lines its rooms send again.
+    pub fn fresh_start_tokens(&self) -> u64 {
+        self.rehydration_tokens.saturating_add(self.resend_tokens)
+    }
 
     /// How long before the reckoned expiry a refresh fires. A refresh's request reads the
     /// cache some time after it starts (the CLI's start-up, then the request's way to the
@@ -292,6 +311,11 @@ impl Telemetry {
     ) -> bool {
         let missed = self.refresh_missed(usage);
         self.keep_warm_cost += dollars;
+        // Its read of the conversation beyond the rehydration is rent too.
+        self.excess_read_cost += Prices::dollars(
+            usage.cache_read.saturating_sub(self.rehydration_tokens),
+            c.prices.cache_read,
+        );
         self.last_cache_touch = Some(started);
         if self.refreshes_took.len() == Self::REFRESHES_KEPT {
             self.refreshes_took.remove(0);
@@ -332,9 +356,10 @@ pub enum Decision {
     KeepWarm,
 }
 
-/// Dollars to start fresh: write the rehydration prefix.
+/// Dollars to start fresh: write the rehydration prefix, and the lines of her rooms that it
+/// leaves out and their next batches show again ([`Telemetry::resend_tokens`]).
 pub fn rebuild_cost(t: &Telemetry, c: &PolicyConfig) -> f64 {
-    Prices::dollars(t.rehydration_tokens, c.prices.write(c.ttl))
+    Prices::dollars(t.fresh_start_tokens(), c.prices.write(c.ttl))
 }
 
 /// Dollars to compact now: read (or, cold, rewrite) the prefix, write the summary as output,
@@ -398,7 +423,7 @@ pub fn decide(t: &Telemetry, now: Instant, c: &PolicyConfig) -> Decision {
         if cold && t.prefix_tokens as f64 > t.rehydration_tokens as f64 * c.cold_prefix_factor {
             return Decision::FreshStart(Reason::ColdCache);
         }
-        if t.excess_read_cost >= rebuild_cost(t, c) && t.prefix_tokens > t.rehydration_tokens {
+        if t.excess_read_cost >= rebuild_cost(t, c) && t.prefix_tokens > t.fresh_start_tokens() {
             return shrink(Reason::SkiRental);
         }
         return Decision::Continue;

@@ -467,9 +467,9 @@ pub fn validate(
 /// Lines in `seen` (the batch it follows showed them, as deliveries or context) are left out,
 /// and the lines it shows are recorded there, so no line reaches the new session twice. With
 /// no lines left, no lines part.
-pub fn rehydration(
+pub fn rehydration<R: AsRef<str>>(
     latest: &[Note],
-    rooms: &[(&str, Vec<ContextLine>)],
+    rooms: &[(R, Vec<ContextLine>)],
     per_room: usize,
     max_bytes: usize,
     seen: &mut Seen,
@@ -484,6 +484,7 @@ pub fn rehydration(
     let mut kept: Vec<String> = Vec::new();
     let mut bytes = 0;
     'rooms: for (room, lines) in rooms {
+        let room = room.as_ref();
         for l in lines.iter().rev().take(per_room) {
             if seen.contains(&l.event_id) {
                 continue;
@@ -519,6 +520,38 @@ pub fn rehydration(
         s.extend(r);
     }
     s
+}
+
+/// Bytes of her rooms' recent lines that a live session holds (`held`) and a fresh start would
+/// not carry (`carried`: what its [`rehydration`] recorded), as rendered in a batch's context.
+/// Each room's next delivery brings the last `per_room` lines before it, at most `max_bytes`
+/// (as the ear cuts a delivery's context), and a new session is shown again those it has not
+/// seen: what a fresh start costs beyond its rehydration. Lines the live session has not seen
+/// either are not counted; they are shown whichever way.
+pub fn resent_bytes<R>(
+    rooms: &[(R, Vec<ContextLine>)],
+    per_room: usize,
+    max_bytes: usize,
+    held: &Seen,
+    carried: &Seen,
+) -> usize {
+    let mut total = 0;
+    for (_, lines) in rooms {
+        let mut window = 0;
+        for l in lines.iter().rev().take(per_room) {
+            // The ear's measure of a context line (`event::context_for`).
+            let size = l.text.len() + l.sender.len();
+            if window + size > max_bytes {
+                break;
+            }
+            window += size;
+            if held.contains(&l.event_id) && !carried.contains(&l.event_id) {
+                // Rendered as "  sender: text\n".
+                total += size + 5;
+            }
+        }
+    }
+    total
 }
 
 /// The request id of say `index` of the batch covering seqs `first..=last`: stable across
@@ -876,7 +909,7 @@ mod tests {
         assert!(!seen.contains("$a1"));
         assert!(!rehydration(&[], &rooms, 2, 10_000, &mut Seen::default()).contains("notes"));
         assert_eq!(
-            rehydration(&latest[..1], &[], 2, 10_000, &mut Seen::default()),
+            rehydration::<&str>(&latest[..1], &[], 2, 10_000, &mut Seen::default()),
             "\n## your latest notes (before this session)\n[state] calm\n"
         );
         // A byte cap keeps the newest lines of the first rooms ("!a @a:l: a3\n" is 12 bytes).
@@ -897,5 +930,33 @@ mod tests {
         // Everything shown already: no lines part at all, not an empty heading.
         seen.insert("$a2");
         assert_eq!(rehydration(&[], &rooms, 2, 10_000, &mut seen), "");
+    }
+
+    #[test]
+    fn a_fresh_start_resends_the_held_lines_its_rehydration_leaves_out() {
+        let rooms = vec![
+            ("!a", vec![line("a1"), line("a2"), line("a3")]),
+            ("!b", vec![line("b1"), line("b2")]),
+        ];
+        let mut held = Seen::default();
+        for id in ["$a1", "$a2", "$a3", "$b1"] {
+            held.insert(id);
+        }
+        // Each line counts as rendered: "  @a:l: a2\n" is 11 bytes.
+        let each = "  @a:l: a2\n".len();
+        // Nothing carried: the windows' held lines (a1 is outside !a's window of two; b2 was
+        // never held, so it is shown whichever way).
+        let none = Seen::default();
+        assert_eq!(resent_bytes(&rooms, 2, 10_000, &held, &none), 3 * each);
+        // A rehydration of 24 bytes carries !a's two lines; only b1 is sent again.
+        let mut carried = Seen::default();
+        let _ = rehydration(&[], &rooms, 2, 24, &mut carried);
+        assert!(carried.contains("$a3") && !carried.contains("$b1"));
+        assert_eq!(resent_bytes(&rooms, 2, 10_000, &held, &carried), each);
+        // The ear's byte cap narrows each window: 6 bytes ("@a:l" and "a3") is one line, a3
+        // for !a and for !b b2, which was never held.
+        assert_eq!(resent_bytes(&rooms, 2, 6, &held, &none), each);
+        // A new session holds nothing: a fresh start resends nothing.
+        assert_eq!(resent_bytes(&rooms, 2, 10_000, &none, &none), 0);
     }
 }

@@ -268,12 +268,9 @@ impl Timelines {
         }
         t.push_back((None, line));
     }
-    /// What a fresh start sends besides the batch, as the gateway's: her state and the last
-    /// `context_lines` of each room, at most half of `context_bytes` of lines, rooms in the
-    /// inbox's order.
-    fn rehydration(&self, state: &str, limits: &Limits, seen: &mut Seen) -> String {
-        let rooms: Vec<(&str, Vec<ContextLine>)> = self
-            .0
+    /// Each room's lines, as the gateway reads them from its inbox.
+    fn rooms(&self) -> Vec<(&str, Vec<ContextLine>)> {
+        self.0
             .iter()
             .map(|(room, lines)| {
                 (
@@ -281,13 +278,31 @@ impl Timelines {
                     lines.iter().map(|(_, l)| l.clone()).collect(),
                 )
             })
-            .collect();
+            .collect()
+    }
+    /// What a fresh start sends besides the batch, as the gateway's: her state and the last
+    /// `context_lines` of each room, at most half of `context_bytes` of lines, rooms in the
+    /// inbox's order.
+    fn rehydration(&self, state: &str, limits: &Limits, seen: &mut Seen) -> String {
+        let rooms = self.rooms();
         session::render::rehydration(
             &[session::render::Note::new("state", state)],
             &rooms,
             limits.context_lines,
             limits.context_bytes / 2,
             seen,
+        )
+    }
+    /// What a fresh start would send again, as the gateway reckons it: the lines of her rooms
+    /// the live session holds (`held`) and the rehydration leaves out (`carried`).
+    fn resent(&self, limits: &Limits, held: &Seen, carried: &Seen) -> usize {
+        let rooms = self.rooms();
+        session::render::resent_bytes(
+            &rooms,
+            limits.context_lines,
+            limits.context_bytes,
+            held,
+            carried,
         )
     }
     /// A live delivery's context, as the ear gives it: the room's lines before `event_id`, at
@@ -443,11 +458,10 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
-        t.rehydration_tokens = (timelines
-            .rehydration(state, &limits, &mut Seen::default())
-            .len()
-            / 4) as u64
-            + base_tokens;
+        let mut carried = Seen::default();
+        t.rehydration_tokens =
+            (timelines.rehydration(state, &limits, &mut carried).len() / 4) as u64 + base_tokens;
+        t.resend_tokens = (timelines.resent(&limits, &seen, &carried) / 4) as u64;
         t.base_tokens = base_tokens;
         let decision = if sid.is_none() {
             Decision::Continue

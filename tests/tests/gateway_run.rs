@@ -4,6 +4,7 @@
 //!   CLI is killed with `kill -9` mid-turn;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
+//! - each turn's record prices a fresh start with the lines her rooms would send again.
 
 use std::time::{Duration, Instant};
 
@@ -340,6 +341,67 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
             "kept {summaries:?}, billed {billed:?}"
         );
     }
+}
+
+/// A fresh start is priced with what her rooms would send again: once her session holds lines
+/// of a room that a fresh start's rehydration (half of `context_bytes`) leaves out, each turn's
+/// record prices a fresh start above a rebuild by them; before her first turn it holds nothing,
+/// and the two are equal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_start_is_priced_with_the_lines_her_rooms_would_send_again() {
+    let scene = Scene::new("run-resend", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(
+        &dir,
+        &mock,
+        100,
+        "\n[persona.limits]\ncontext_bytes = 512\n",
+    );
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let (m, g) = (&mock, &gw);
+    let talk = |dm: matrix_sdk::Room, i: usize| async move {
+        let answer = format!("answer {i}");
+        let room = dm.room_id().to_string();
+        m.script(serde_json::json!({"say": [{"room": room, "text": answer}]}));
+        let line = format!("line {i}: {}", "a sentence of plain chat. ".repeat(4));
+        dm.send(RoomMessageEventContent::text_plain(line))
+            .await
+            .unwrap();
+        let got = wait_for_reply(ann, &dm, &answer, Duration::from_secs(90)).await;
+        assert!(got.contains(&answer), "{got:?}; log:\n{}", g.log());
+    };
+    let first = open_dm(ann, &gw).await;
+    for i in 0..3 {
+        talk(first.clone(), i).await;
+    }
+    let second = open_dm(ann, &gw).await;
+    talk(second, 3).await;
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    let turns = status["turns"].as_array().cloned().unwrap_or_default();
+    assert_eq!(turns.len(), 4, "{status}");
+    let price = |t: &serde_json::Value, k: &str| t[k].as_f64().unwrap_or(f64::NAN);
+    let (rebuild, fresh) = (
+        price(&turns[0], "rebuild_usd"),
+        price(&turns[0], "fresh_start_usd"),
+    );
+    assert!(rebuild > 0.0 && fresh == rebuild, "{status}");
+    // The first room's ~110-byte lines and her answers do not fit in 256 bytes of rehydration.
+    let last = &turns[3];
+    let (rebuild, fresh) = (price(last, "rebuild_usd"), price(last, "fresh_start_usd"));
+    assert!(fresh > rebuild && fresh < 2.0 * rebuild, "{status}");
+    assert_eq!(gw.stop().code(), Some(0));
 }
 
 /// A CultNet client (signed Connect with a pinned key) reads vera's mail, acknowledges it and

@@ -153,6 +153,44 @@ fn ski_rental_boundary() {
 }
 
 #[test]
+fn a_fresh_start_is_priced_with_the_lines_its_rooms_send_again() {
+    let now = Instant::now();
+    let c = cfg();
+    let mut t = base(now);
+    t.prefix_tokens = 60_000;
+    let bare = rebuild_cost(&t, &c);
+    t.resend_tokens = 10_000;
+    assert_eq!(t.fresh_start_tokens(), 40_000);
+    let priced = rebuild_cost(&t, &c);
+    assert!((priced - 40_000.0 * 6.0 / 1e6).abs() < 1e-12);
+    // Ski rental waits for the dearer rebuild.
+    t.excess_read_cost = bare;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    t.excess_read_cost = priced - 1e-9;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    t.excess_read_cost = priced;
+    assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::SkiRental));
+    // A prefix no larger than what a fresh start writes gains nothing from one.
+    t.prefix_tokens = 40_000;
+    assert_eq!(decide(&t, now, &c), Decision::Continue);
+    // Cold, her conversation is rewritten at every expiry, the lines once: the comparison is
+    // with the rehydration alone.
+    t.prefix_tokens = 35_000;
+    t.last_cache_touch = Some(now - Duration::from_secs(3600));
+    assert_eq!(decide(&t, now, &c), Decision::FreshStart(Reason::ColdCache));
+    // The rent is the reads above the rehydration, turns' and refreshes' alike.
+    t.excess_read_cost = 0.0;
+    let usage = crate::cost::Usage {
+        cache_read: 45_000,
+        ..Default::default()
+    };
+    t.after_turn(&usage, Outcome::Ok, now, now, &c.prices);
+    assert!((t.excess_read_cost - 15_000.0 * 0.3 / 1e6).abs() < 1e-12);
+    t.after_keep_warm(&usage, 0.01, now, Duration::from_secs(1), &c);
+    assert!((t.excess_read_cost - 30_000.0 * 0.3 / 1e6).abs() < 1e-12);
+}
+
+#[test]
 fn keep_warm_window_and_budget() {
     let now = Instant::now();
     let c = cfg();
