@@ -263,10 +263,26 @@ async fn a_rejected_token_stops_only_that_persona() {
     );
 }
 
+/// Starts vera's gateway with her live session against `mock` (a 100-sentence doctrine),
+/// `limits` as her `[persona.limits]` and ann as her operator.
+fn start_live(scene: &Scene, mock: &MockApi, limits: &str) -> GatewayProcess {
+    let extra = format!("\n[persona.limits]\n{limits}");
+    let (session, _) = live_section(&scene.dir, mock, 100, &extra);
+    let config = write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    GatewayProcess::start(&config)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
     let scene = Scene::new("run-fresh", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
     // A small model window, so the conversation outgrows it within a few turns.
     let mock = MockApi::start(MockConfig {
         context_window: 3_000,
@@ -274,21 +290,7 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
     })
     .await
     .unwrap();
-    let (session, _) = live_section(
-        &dir,
-        &mock,
-        100,
-        "\n[persona.limits]\ncontext_bytes = 2048\n",
-    );
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
+    let gw = start_live(&scene, &mock, "context_bytes = 2048\n");
     let dm = open_dm(ann, &gw).await;
     let room = dm.room_id().to_string();
     let mut want = Vec::new();
@@ -350,23 +352,9 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_start_is_priced_with_the_lines_her_rooms_would_send_again() {
     let scene = Scene::new("run-resend", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(
-        &dir,
-        &mock,
-        100,
-        "\n[persona.limits]\ncontext_bytes = 512\n",
-    );
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
+    let gw = start_live(&scene, &mock, "context_bytes = 512\n");
     let (m, g) = (&mock, &gw);
     let talk = |dm: matrix_sdk::Room, i: usize| async move {
         let answer = format!("answer {i}");
