@@ -23,7 +23,9 @@
 //! since a new session starts from that and the lines come back only with their rooms. After an
 //! expired cache (rule 3) the comparison is with the rehydration alone too: a cold session
 //! rewrites its whole conversation at every expiry, a room's lines are sent again once (in the
-//! session benchmark, counting them there cost the reference 0.6% more with 5 minutes).
+//! session benchmark, counting them there cost the reference 0.6% more with 5 minutes). A room
+//! that never speaks again makes the price an overestimate, and loosens rule 4's bound of twice
+//! the optimum by as much.
 //! A compaction's cost counts the summary it writes: the mean of the last compactions' summary
 //! sizes once there has been one, `compact_summary_tokens` before.
 //!
