@@ -147,7 +147,7 @@ pub struct SessionConfig {
     /// and the whole conversation is written to the cache again. 100 (the default) is cost
     /// alone: a fresh start carries her notes and each room's last lines, her own replies
     /// among them. More pays for continuity: in the session benchmark with 5 minutes, 125 cost
-    /// 4-10% more on the workloads whose caches go cold. At least 100.
+    /// 2-8% more on the workloads whose caches go cold. At least 100.
     pub continuity_percent: u32,
     /// Her initial state: a new session (her first, or a fresh start) is given it until a
     /// `state` note replaces it.
