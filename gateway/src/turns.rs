@@ -885,9 +885,13 @@ impl TurnLoop {
             } else {
                 Vec::new()
             };
-            let mut seen = std::mem::take(&mut self.seen);
-            text.push_str(&self.rehydration(&shown, &rooms, &mut seen));
-            self.seen = seen;
+            text.push_str(&render::rehydration(
+                &self.latest_notes(&shown),
+                &rooms,
+                self.persona.limits.context_lines,
+                self.persona.limits.context_bytes / 2,
+                &mut self.seen,
+            ));
         }
         text
     }
@@ -946,18 +950,15 @@ impl TurnLoop {
         self.telemetry.base_tokens = self.prompt_tokens;
         // What a fresh start would write: its rehydration, then the lines this session holds
         // that the rehydration leaves out, which her rooms' next batches show again.
-        let timelines = self.room_lines();
-        let mut carried = Seen::default();
-        self.telemetry.rehydration_tokens =
-            self.prompt_tokens + self.rehydration(&[], &timelines, &mut carried).len() as u64 / 4;
-        self.telemetry.resend_tokens = render::resent_bytes(
-            &timelines,
+        let (rehydrated, resent) = render::fresh_start_bytes(
+            &self.latest_notes(&[]),
+            &self.room_lines(),
             self.persona.limits.context_lines,
             self.persona.limits.context_bytes,
             &self.seen,
-            &carried,
-        ) as u64
-            / 4;
+        );
+        self.telemetry.rehydration_tokens = self.prompt_tokens + rehydrated as u64 / 4;
+        self.telemetry.resend_tokens = resent as u64 / 4;
         let decision = if self.status.session_id.is_none() {
             Decision::Continue
         } else {
@@ -1158,20 +1159,12 @@ impl TurnLoop {
             .collect()
     }
 
-    /// What a new session starts from: the latest note of each replacing kind (or her
-    /// `state_file` while no `state` note came) other than the kinds `skip` (shown in the batch
-    /// itself), and the last lines of `rooms` that `seen` does not hold (it records those it
-    /// shows).
-    fn rehydration(
-        &self,
-        skip: &[&str],
-        rooms: &[(String, Vec<wire::docs::ContextLine>)],
-        seen: &mut Seen,
-    ) -> String {
-        let id = &self.persona.id;
+    /// The latest note of each replacing kind (or her `state_file` while no `state` note came)
+    /// other than the kinds `skip` (shown in the batch itself): what a new session is given.
+    fn latest_notes(&self, skip: &[&str]) -> Vec<Note> {
         let mut latest: Vec<Note> = self
             .inbox
-            .latest_notes(id)
+            .latest_notes(&self.persona.id)
             .unwrap_or_default()
             .into_iter()
             .map(|(kind, text)| Note::new(&kind, text))
@@ -1190,13 +1183,7 @@ impl TurnLoop {
             }
         }
         latest.retain(|n| !skip.contains(&n.kind.as_str()));
-        render::rehydration(
-            &latest,
-            rooms,
-            self.persona.limits.context_lines,
-            self.persona.limits.context_bytes / 2,
-            seen,
-        )
+        latest
     }
 
     fn write_status(&mut self, record: TurnRecord) {

@@ -554,6 +554,24 @@ pub fn resent_bytes<R>(
     total
 }
 
+/// The size of what a fresh start would write, in bytes: its [`rehydration`] (`latest` and the
+/// last `per_room` lines of each room, within half of `context_bytes`), and the lines that the
+/// session holds (`held`) and the rehydration leaves out, which the rooms' next deliveries
+/// show again ([`resent_bytes`], windows of `context_bytes` as the ear cuts them). One
+/// reckoning for the gateway's turn loop and the session benchmark.
+pub fn fresh_start_bytes<R: AsRef<str>>(
+    latest: &[Note],
+    rooms: &[(R, Vec<ContextLine>)],
+    per_room: usize,
+    context_bytes: usize,
+    held: &Seen,
+) -> (usize, usize) {
+    let mut carried = Seen::default();
+    let rehydrated = rehydration(latest, rooms, per_room, context_bytes / 2, &mut carried).len();
+    let resent = resent_bytes(rooms, per_room, context_bytes, held, &carried);
+    (rehydrated, resent)
+}
+
 /// The request id of say `index` of the batch covering seqs `first..=last`: stable across
 /// retries and restarts, so the mouth sends each say once.
 pub fn say_request_id(persona: &str, first: u64, last: u64, index: usize) -> String {

@@ -293,16 +293,16 @@ impl Timelines {
             seen,
         )
     }
-    /// What a fresh start would send again, as the gateway reckons it: the lines of her rooms
-    /// the live session holds (`held`) and the rehydration leaves out (`carried`).
-    fn resent(&self, limits: &Limits, held: &Seen, carried: &Seen) -> usize {
-        let rooms = self.rooms();
-        session::render::resent_bytes(
-            &rooms,
+    /// The size of what a fresh start would write, as the gateway reckons it: the
+    /// rehydration's bytes and those of the lines the live session holds (`held`) that it
+    /// leaves out.
+    fn fresh_start_bytes(&self, state: &str, limits: &Limits, held: &Seen) -> (usize, usize) {
+        session::render::fresh_start_bytes(
+            &[session::render::Note::new("state", state)],
+            &self.rooms(),
             limits.context_lines,
             limits.context_bytes,
             held,
-            carried,
         )
     }
     /// A live delivery's context, as the ear gives it: the room's lines before `event_id`, at
@@ -458,10 +458,9 @@ async fn live(run: &Run<'_>, keep: KeepWarm) -> Report {
         let ready = Instant::now();
         t.batch_arrived(origin + offset);
         t.batch_waiting = true;
-        let mut carried = Seen::default();
-        t.rehydration_tokens =
-            (timelines.rehydration(state, &limits, &mut carried).len() / 4) as u64 + base_tokens;
-        t.resend_tokens = (timelines.resent(&limits, &seen, &carried) / 4) as u64;
+        let (rehydrated, resent) = timelines.fresh_start_bytes(state, &limits, &seen);
+        t.rehydration_tokens = (rehydrated / 4) as u64 + base_tokens;
+        t.resend_tokens = (resent / 4) as u64;
         t.base_tokens = base_tokens;
         let decision = if sid.is_none() {
             Decision::Continue
