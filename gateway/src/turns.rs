@@ -281,6 +281,12 @@ impl TurnLoop {
             ..Telemetry::default()
         };
         let prices = prices_for(&persona, &base.model);
+        // What her session had seen, when the gateway resumes it.
+        let kept: Option<KeptSeen> = learned(&inbox, &persona.id, SEEN)?;
+        let seen = match (kept, &status.session_id) {
+            (Some(k), Some(sid)) if &k.session == sid => k.ids.into_iter().collect(),
+            _ => Seen::default(),
+        };
         Ok(Self {
             telemetry,
             policy: persona.session.policy(base.cache_ttl, prices),
@@ -299,7 +305,7 @@ impl TurnLoop {
             base,
             schema: Arc::new(schema),
             cli: None,
-            seen: Seen::default(),
+            seen,
             note: None,
             history_lines: None,
             restarted,
@@ -701,6 +707,26 @@ impl TurnLoop {
         }
     }
 
+    /// Stores what her session has seen that can still be shown to her (`lines`: her rooms'
+    /// timelines), so that after a restart of the gateway the resumed session is not shown it
+    /// again.
+    fn keep_seen(&self, lines: &[(String, Vec<wire::docs::ContextLine>)]) {
+        let Some(session) = self.status.session_id.clone() else {
+            return;
+        };
+        let shown: std::collections::HashSet<&str> = lines
+            .iter()
+            .flat_map(|(_, ls)| ls.iter().map(|l| l.event_id.as_str()))
+            .collect();
+        let ids = self
+            .seen
+            .to_keep(SEEN_LATEST, |id| shown.contains(id))
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        self.keep_learned(SEEN, &KeptSeen { session, ids });
+    }
+
     /// Stores something the policy learned (JSON in her session values); a failure costs only
     /// what a restart would forget, so it is logged, not raised.
     fn keep_learned<T: Serialize>(&self, name: &str, value: &T) {
@@ -950,9 +976,10 @@ impl TurnLoop {
         self.telemetry.base_tokens = self.prompt_tokens;
         // What a fresh start would write: its rehydration, then the lines this session holds
         // that the rehydration leaves out, which her rooms' next batches show again.
+        let lines = self.room_lines();
         let (rehydrated, resent) = render::fresh_start_bytes(
             &self.latest_notes(&[]),
-            &self.room_lines(),
+            &lines,
             self.persona.limits.context_lines,
             self.persona.limits.context_bytes,
             &self.seen,
@@ -1070,6 +1097,7 @@ impl TurnLoop {
             },
         )?;
         self.restarted = None;
+        self.keep_seen(&lines);
         // She can take turns again.
         self.set_error(None);
         if span.is_some() {
@@ -1291,6 +1319,20 @@ pub fn human_duration(ms: i64) -> String {
 /// Session values holding what the policy learned about her.
 const GAPS: &str = "gaps";
 const SUMMARIES: &str = "summaries";
+/// What her resumed session has seen (a [`KeptSeen`]), so a restart of the gateway does not
+/// show her again the lines she holds.
+const SEEN: &str = "seen";
+/// The ids recorded last that a restart keeps even when no timeline holds them yet (her
+/// replies of the last turn, whose echo may still be on its way).
+const SEEN_LATEST: usize = 64;
+
+/// The ids her session had seen, stored with the session they belong to: another session
+/// (after a fresh start) has seen none of them.
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+struct KeptSeen {
+    session: String,
+    ids: Vec<String>,
+}
 
 /// What the policy learned in earlier runs (`name`, JSON in her session values), or nothing
 /// yet; a value that does not parse (another version wrote it) is logged and started over.

@@ -113,6 +113,32 @@ impl Seen {
         self.set.clear();
         self.order.clear();
     }
+
+    /// What a restart of the gateway must remember for a resumed session, oldest first: the
+    /// ids `can_show` says may still be shown (lines of her rooms' recent timelines) and the
+    /// `latest` ids recorded last (her replies, whose echo may not be in a timeline yet).
+    /// Everything else can never be shown to her again, so forgetting it changes nothing.
+    pub fn to_keep(&self, latest: usize, can_show: impl Fn(&str) -> bool) -> Vec<&str> {
+        let recent_from = self.order.len().saturating_sub(latest);
+        self.order
+            .iter()
+            .enumerate()
+            .filter(|(i, id)| *i >= recent_from || can_show(id))
+            .map(|(_, id)| id.as_str())
+            .collect()
+    }
+}
+
+/// Ids in the order they were seen (as [`Seen::to_keep`] gives them); past [`SEEN_CAPACITY`]
+/// the oldest are forgotten, as with [`Seen::insert`].
+impl<S: AsRef<str>> FromIterator<S> for Seen {
+    fn from_iter<I: IntoIterator<Item = S>>(ids: I) -> Self {
+        let mut seen = Self::default();
+        for id in ids {
+            seen.insert(id.as_ref());
+        }
+        seen
+    }
 }
 
 /// Renders `batch` as the text of one user message, leaving out context the session has seen,
@@ -976,5 +1002,29 @@ mod tests {
         assert_eq!(resent_bytes(&rooms, 2, 6, &held, &none), each);
         // A new session holds nothing: a fresh start resends nothing.
         assert_eq!(resent_bytes(&rooms, 2, 10_000, &none, &none), 0);
+    }
+
+    #[test]
+    fn a_restart_keeps_what_can_still_be_shown_and_the_latest_ids() {
+        let seen: Seen = ["$old", "$t1", "$gone", "$t2", "$reply"]
+            .into_iter()
+            .collect();
+        let in_timeline = |id: &str| id.starts_with("$t");
+        // The timeline's lines, and the last one recorded (her reply, not echoed yet).
+        assert_eq!(seen.to_keep(1, in_timeline), ["$t1", "$t2", "$reply"]);
+        assert_eq!(seen.to_keep(0, in_timeline), ["$t1", "$t2"]);
+        assert_eq!(
+            seen.to_keep(3, in_timeline),
+            ["$t1", "$gone", "$t2", "$reply"]
+        );
+        assert_eq!(seen.to_keep(99, |_| false).len(), 5);
+        // Restored, it holds the same ids, in the same order.
+        let back: Seen = seen.to_keep(1, in_timeline).into_iter().collect();
+        assert!(back.contains("$t1") && back.contains("$reply") && !back.contains("$old"));
+        assert_eq!(back.to_keep(9, |_| false), ["$t1", "$t2", "$reply"]);
+        // Past the capacity, the oldest are forgotten, as by insert.
+        let many: Seen = (0..SEEN_CAPACITY + 2).map(|i| format!("${i}")).collect();
+        assert!(!many.contains("$0") && !many.contains("$1") && many.contains("$2"));
+        assert_eq!(many.to_keep(usize::MAX, |_| false).len(), SEEN_CAPACITY);
     }
 }

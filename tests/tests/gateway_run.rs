@@ -1,7 +1,8 @@
 //! `cultnet-gateway run` as a user runs it, against a real Synapse (and, for live sessions,
 //! the real claude CLI against the mock Messages API):
 //! - an operator's encrypted DM is answered by her live session, exactly once, also when the
-//!   CLI is killed with `kill -9` mid-turn;
+//!   CLI is killed with `kill -9` mid-turn; after a restart of the gateway the resumed session
+//!   is not shown again the lines it holds;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
 //! - each turn's record prices a fresh start with the lines her rooms would send again.
@@ -129,6 +130,16 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         resumed.usage.cache_read > 0,
         "the old history was not read from cache"
     );
+    // The resumed session holds the earlier lines: the first request after the restart does
+    // not show them to her again as context, neither ann's nor her own replies.
+    let first = &after[0].last_user_text;
+    assert!(first.contains("still there after a restart?"), "{first}");
+    for held in ["hello vera", "hello ann", "are you there?", "second answer"] {
+        assert!(
+            !first.contains(held),
+            "{held:?} shown again after the restart:\n{first}"
+        );
+    }
     let status2: serde_json::Value = serde_json::from_slice(
         &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
     )
