@@ -214,6 +214,20 @@ pub struct TurnLoop {
     prices: Prices,
     prompt_tokens: u64,
     fired: Option<Instant>,
+    /// Her processes started so far: which process a failed turn's text went to.
+    spawns: u64,
+    /// A turn the model API failed on: its id, the process that holds its text, the status.
+    failed: Option<ApiFailure>,
+}
+
+/// A turn the model API failed on after the CLI's own retries. The CLI keeps a failed turn's
+/// text in its conversation (and merges it with the next message), so while that process
+/// lives, the retry must not send the batch again: she would see it twice.
+#[derive(Debug)]
+struct ApiFailure {
+    turn_id: String,
+    spawn: u64,
+    status: Option<u16>,
 }
 
 impl std::fmt::Debug for TurnLoop {
@@ -293,6 +307,8 @@ impl TurnLoop {
             prices,
             prompt_tokens,
             fired: None,
+            spawns: 0,
+            failed: None,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
             persona,
@@ -674,6 +690,7 @@ impl TurnLoop {
                 }
             }
             tracing::info!(persona = %id, session = ?cfg.session_id, resume = cfg.resume, "starting the claude CLI");
+            self.spawns += 1;
             self.cli = Some(Cli::spawn(cfg).await?);
         }
         self.cli
@@ -748,6 +765,8 @@ impl TurnLoop {
     /// write back much of what the compaction took out (the session benchmark's long
     /// conversation compacted five times instead of three and cost 1.12x resume-per-turn).
     async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
+        // A failed turn's text is summarized with the rest: its retry sends the batch again.
+        self.failed = None;
         let done = match self.ensure_cli().await {
             Ok(cli) => cli.compact().await,
             Err(e) => Err(e),
@@ -1003,7 +1022,24 @@ impl TurnLoop {
         }
         // What the session had seen before this batch: if it refuses the batch, it saw none of it.
         let seen_before = self.seen.clone();
-        let text = self.compose(batch, &stored);
+        // A retry in the process that holds the failed attempt's text says only that.
+        let text = match self.failed.take() {
+            Some(f) if f.turn_id == turn_id && f.spawn == self.spawns && self.cli.is_some() => {
+                tracing::info!(status = ?f.status, "retrying the turn the model API failed on; its batch is in her conversation");
+                let status = f
+                    .status
+                    .map_or_else(|| "an error".to_owned(), |s| format!("HTTP {s}"));
+                let note = Note::new(
+                    "retry",
+                    format!(
+                        "the model API failed ({status}) on the batch above, which you have not \
+                         answered yet: answer it now (it is not repeated)"
+                    ),
+                );
+                render::render(&[], &mut self.seen, &[note])
+            }
+            _ => self.compose(batch, &stored),
+        };
         let mut turn = self.run_cli(&text).await;
         if Self::too_long(&turn) {
             // Refused as too long: compact and retry the same batch once; then start fresh.
@@ -1026,7 +1062,14 @@ impl TurnLoop {
         if res.outcome() == Outcome::ApiError {
             return Err(match res.api_error_status {
                 Some(401) => TurnError::Unauthorized,
-                other => TurnError::Api(other),
+                other => {
+                    self.failed = Some(ApiFailure {
+                        turn_id,
+                        spawn: self.spawns,
+                        status: other,
+                    });
+                    TurnError::Api(other)
+                }
             });
         }
         if let Some(sid) = &res.session_id {

@@ -2,7 +2,8 @@
 //! the real claude CLI against the mock Messages API):
 //! - an operator's encrypted DM is answered by her live session, exactly once, also when the
 //!   CLI is killed with `kill -9` mid-turn; after a restart of the gateway the resumed session
-//!   is not shown again the lines it holds;
+//!   is not shown again the lines it holds; a batch the model API failed on is not sent again
+//!   to the process whose conversation holds it;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
 //! - each turn's record prices a fresh start with the lines her rooms would send again.
@@ -140,6 +141,24 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
             "{held:?} shown again after the restart:\n{first}"
         );
     }
+    // The CLI keeps the failed attempt's text in her conversation: the retry in the same
+    // process says so and does not repeat the batch.
+    assert_eq!(
+        resumed
+            .user_text
+            .matches("still there after a restart?")
+            .count(),
+        1,
+        "the batch the API failed on was sent again:\n{}",
+        resumed.user_text
+    );
+    assert!(
+        resumed
+            .last_user_text
+            .contains("[retry] the model API failed (HTTP 529)"),
+        "{}",
+        resumed.last_user_text
+    );
     let status2: serde_json::Value = serde_json::from_slice(
         &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
     )
