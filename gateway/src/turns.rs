@@ -973,6 +973,15 @@ impl TurnLoop {
             self.inbox
                 .set_session_value(&id, "inflight_notes", Some(&through.to_string()))?;
         }
+        if let Some(output) = self.stored_reply(&turn_id) {
+            // She answered this batch and a say failed (or the gateway stopped between
+            // says): the same reply is sent, each say at most once; she is not asked again.
+            tracing::info!("sending her stored reply to this batch");
+            let lines = self.room_lines();
+            self.deliver(&turn_id, batch, &stored, Some(&output), &lines)
+                .await?;
+            return Ok(());
+        }
         let rooms: Vec<String> = batch
             .iter()
             .map(|d| d.room_id.clone())
@@ -1080,14 +1089,105 @@ impl TurnLoop {
                 self.status.session_id = Some(sid.clone());
             }
         }
+        // A turn whose say failed was billed all the same: it is recorded, then fails.
+        let delivered = self
+            .deliver(
+                &turn_id,
+                batch,
+                &stored,
+                res.structured_output.as_ref(),
+                &lines,
+            )
+            .await;
+        let (says, extensions, outcome) = match &delivered {
+            Ok((says, extensions, outcome)) => (*says, *extensions, outcome.clone()),
+            Err(e) => (0, 0, e.to_string()),
+        };
+        let shown = stored.len();
+        let usage = res.usage.usage();
+        self.telemetry.after_turn(
+            &usage,
+            res.outcome(),
+            turn.last_request_at,
+            Instant::now(),
+            &self.prices,
+        );
+        let (first_seq, last_seq) = span.unwrap_or_default();
+        let record = TurnRecord {
+            first_seq,
+            last_seq,
+            notes: shown,
+            extensions,
+            generation: self.status.generation,
+            duration_ms: started.elapsed().as_millis() as u64,
+            input_tokens: usage.input,
+            cache_read_tokens: usage.cache_read,
+            cache_write_tokens: usage.cache_write_5m + usage.cache_write_1h,
+            output_tokens: usage.output,
+            hit_ratio: usage.hit_ratio(),
+            cli_cost_usd: res.total_cost_usd,
+            says,
+            decision: format!("{decision:?}"),
+            cost_usd: usage.cost(&self.prices),
+            outcome,
+            at_ms: crate::ear::unix_ms(),
+            prefix_tokens: usage.input
+                + usage.cache_read
+                + usage.cache_write_5m
+                + usage.cache_write_1h,
+            watermark_tokens: self.policy.watermark_tokens(),
+            window_tokens: self.policy.context_window,
+            // A rebuild's (the old design's) price, not a fresh start's: that also counts
+            // what her rooms would send again, which a rebuild per turn never held.
+            rebuild_usd: Prices::dollars(
+                self.telemetry.rehydration_tokens,
+                self.policy.prices.write(self.policy.ttl),
+            ),
+            fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
+        };
+        let m = crate::metrics::global();
+        m.turn(
+            &id,
+            if record.outcome == "sent" {
+                "sent"
+            } else {
+                "not_sent"
+            },
+            started.elapsed().as_secs_f64(),
+        );
+        m.usage(&id, &usage, record.cost_usd);
+        tracing::info!(?record, "turn done");
+        self.write_status(record);
+        delivered.map(drop)
+    }
+
+    /// Sends her reply's says, each at most once (request id `TURN:i`), and commits the turn:
+    /// the ack, the notes shown and her extension fields. A reply with says is stored before
+    /// the first, so the retry after a say failed (or after a crash between says) sends this
+    /// reply again instead of asking her again: she would see the batch twice, and a new reply
+    /// could drop or change a say not sent yet. Returns her says, her extension fields and
+    /// the outcome.
+    async fn deliver(
+        &mut self,
+        turn_id: &str,
+        batch: &[Delivery],
+        stored: &[crate::inbox::Note],
+        output: Option<&serde_json::Value>,
+        lines: &[(String, Vec<wire::docs::ContextLine>)],
+    ) -> Result<(usize, usize, String), TurnError> {
+        let id = self.persona.id.clone();
         let allowed = self.rooms_allowed(batch);
         let allowed_refs: Vec<&str> = allowed.iter().map(String::as_str).collect();
-        let (says, extensions, outcome) = match self
-            .schema
-            .validate(res.structured_output.as_ref(), &allowed_refs)
-        {
+        let mut kept = false;
+        let (says, extensions, outcome) = match self.schema.validate(output, &allowed_refs) {
             Ok(reply) => {
                 self.note = None;
+                if let (Some(output), false) = (output, reply.say.is_empty()) {
+                    let value = serde_json::json!({ "turn": turn_id, "output": output });
+                    self.inbox
+                        .set_session_value(&id, REPLY, Some(&value.to_string()))?;
+                    kept = true;
+                }
                 for (i, say) in reply.say.iter().enumerate() {
                     let request_id = format!("{turn_id}:{i}");
                     let receipt = self
@@ -1129,21 +1229,27 @@ impl TurnLoop {
             }
         };
         let shown: Vec<u64> = stored.iter().map(|n| n.seq).collect();
+        let acked = batch.last().map(|d| d.seq);
         self.inbox.commit_turn(
             &id,
             &TurnCommit {
-                ack_through: span.map(|(_, last)| last),
+                ack_through: acked,
                 notes_shown: &shown,
-                turn_id: &turn_id,
+                turn_id,
                 extensions: &extensions,
                 at_ms: crate::ear::unix_ms(),
             },
         )?;
+        if kept {
+            // Committed: a stale reply could not match a later turn (seqs are not reused),
+            // but it has no use left.
+            self.inbox.set_session_value(&id, REPLY, None)?;
+        }
         self.restarted = None;
-        self.keep_seen(&lines);
+        self.keep_seen(lines);
         // She can take turns again.
         self.set_error(None);
-        if span.is_some() {
+        if acked.is_some() {
             self.signals.acked.notify_one();
         }
         let mut last_per_room: BTreeMap<&str, &str> = BTreeMap::new();
@@ -1153,61 +1259,18 @@ impl TurnLoop {
         for (room, event) in last_per_room {
             self.mouth.read_receipt(room, event).await;
         }
-        let usage = res.usage.usage();
-        self.telemetry.after_turn(
-            &usage,
-            res.outcome(),
-            turn.last_request_at,
-            Instant::now(),
-            &self.prices,
-        );
-        let (first_seq, last_seq) = span.unwrap_or_default();
-        let record = TurnRecord {
-            first_seq,
-            last_seq,
-            notes: shown.len(),
-            extensions: extensions.len(),
-            generation: self.status.generation,
-            duration_ms: started.elapsed().as_millis() as u64,
-            input_tokens: usage.input,
-            cache_read_tokens: usage.cache_read,
-            cache_write_tokens: usage.cache_write_5m + usage.cache_write_1h,
-            output_tokens: usage.output,
-            hit_ratio: usage.hit_ratio(),
-            cli_cost_usd: res.total_cost_usd,
-            says,
-            decision: format!("{decision:?}"),
-            cost_usd: usage.cost(&self.prices),
-            outcome,
-            at_ms: crate::ear::unix_ms(),
-            prefix_tokens: usage.input
-                + usage.cache_read
-                + usage.cache_write_5m
-                + usage.cache_write_1h,
-            watermark_tokens: self.policy.watermark_tokens(),
-            window_tokens: self.policy.context_window,
-            // A rebuild's (the old design's) price, not a fresh start's: that also counts
-            // what her rooms would send again, which a rebuild per turn never held.
-            rebuild_usd: Prices::dollars(
-                self.telemetry.rehydration_tokens,
-                self.policy.prices.write(self.policy.ttl),
-            ),
-            fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
-        };
-        let m = crate::metrics::global();
-        m.turn(
-            &id,
-            if record.outcome == "sent" {
-                "sent"
-            } else {
-                "not_sent"
-            },
-            started.elapsed().as_secs_f64(),
-        );
-        m.usage(&id, &usage, record.cost_usd);
-        tracing::info!(?record, "turn done");
-        self.write_status(record);
-        Ok(())
+        Ok((says, extensions.len(), outcome))
+    }
+
+    /// Her reply to `turn_id` stored by [`TurnLoop::deliver`], if a say of it failed.
+    fn stored_reply(&self, turn_id: &str) -> Option<serde_json::Value> {
+        let v = self
+            .inbox
+            .session_value(&self.persona.id, REPLY)
+            .ok()
+            .flatten()?;
+        let mut v: serde_json::Value = serde_json::from_str(&v).ok()?;
+        (v["turn"] == turn_id).then(|| v["output"].take())
     }
 
     /// Her rooms' timelines as the inbox holds them, oldest line first.
@@ -1365,6 +1428,8 @@ const SUMMARIES: &str = "summaries";
 /// What her resumed session has seen (a [`KeptSeen`]), so a restart of the gateway does not
 /// show her again the lines she holds.
 const SEEN: &str = "seen";
+/// Her reply to the turn in flight, stored before its first say (`{"turn", "output"}`).
+const REPLY: &str = "reply";
 /// The ids recorded last that a restart keeps even when no timeline holds them yet (her
 /// replies of the last turn, whose echo may still be on its way).
 const SEEN_LATEST: usize = 64;

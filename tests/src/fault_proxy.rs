@@ -1,7 +1,8 @@
 //! A fault-injecting HTTP proxy in front of a real homeserver: it forwards every request to
 //! Synapse unchanged (one request per connection), except that it answers the next `n` `/sync`
-//! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait, and can hold message sends
-//! for a while. Synapse does not rate-limit `/sync` and is never slow on demand, so this is how a
+//! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait, can hold message sends
+//! for a while, and can answer the next `n` message sends itself with `502 Bad Gateway` (a
+//! homeserver down behind its proxy). Synapse does not rate-limit `/sync` and is never slow on demand, so this is how a
 //! test makes the ear meet a 429 it must wait out, and the mouth a slow homeserver.
 
 use std::net::SocketAddr;
@@ -39,6 +40,8 @@ struct Plan {
     first_at: std::sync::Mutex<Option<std::time::Instant>>,
     /// Sends (`PUT .../send/...`) are held this long (ms) before they are forwarded.
     send_delay_ms: std::sync::atomic::AtomicU64,
+    /// Message sends still to be answered 502 instead of forwarded.
+    sends_failing: AtomicU32,
 }
 
 /// The proxy; stopped when dropped.
@@ -65,6 +68,7 @@ impl FaultProxy {
             answered: AtomicU32::new(0),
             first_at: std::sync::Mutex::new(None),
             send_delay_ms: std::sync::atomic::AtomicU64::new(0),
+            sends_failing: AtomicU32::new(0),
         });
         let shared = plan.clone();
         let task = tokio::spawn(async move {
@@ -96,6 +100,17 @@ impl FaultProxy {
         self.plan
             .send_delay_ms
             .store(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Answers the next `n` message sends (`PUT .../send/...`) with `502 Bad Gateway` without
+    /// forwarding them.
+    pub fn fail_sends(&self, n: u32) {
+        self.plan.sends_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Message sends still to be failed.
+    pub fn sends_failing(&self) -> u32 {
+        self.plan.sends_failing.load(Ordering::SeqCst)
     }
 
     /// When the first 429 of the last [`FaultProxy::rate_limit_syncs`] went out.
@@ -178,6 +193,20 @@ async fn serve(mut conn: TcpStream, upstream: SocketAddr, plan: &Plan) -> std::i
         };
         let response = format!(
             "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n{header}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        conn.write_all(response.as_bytes()).await?;
+        return conn.shutdown().await;
+    }
+    if path.contains("/send/")
+        && plan
+            .sends_failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    {
+        let body = r#"{"errcode":"M_UNKNOWN","error":"upstream down"}"#;
+        let response = format!(
+            "HTTP/1.1 502 Bad Gateway\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         );
         conn.write_all(response.as_bytes()).await?;

@@ -6,7 +6,8 @@
 //!   to the process whose conversation holds it;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
-//! - each turn's record prices a fresh start with the lines her rooms would send again.
+//! - each turn's record prices a fresh start with the lines her rooms would send again;
+//! - a reply whose send failed is sent as she gave it, once, without asking her again.
 
 use std::time::{Duration, Instant};
 
@@ -802,4 +803,75 @@ async fn sends_beyond_the_in_flight_limit_are_refused_at_once_and_go_out_once_la
     assert_eq!(got, want, "each text exactly once");
     c.close().await;
     assert!(gw.stop().success());
+}
+
+/// A homeserver that fails her reply's send every time the mouth tries (a proxy answers 502):
+/// the turn fails and its batch stays unacked; the retry sends the reply she gave, once, and
+/// does not ask her again (the second scripted reply is never used, the model billed once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it() {
+    use tests::fault_proxy::FaultProxy;
+
+    let scene = Scene::new("run-unsent", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "unsent-lobby").await;
+    let proxy = FaultProxy::start(&url).await;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 100, "");
+    let config = write_config(
+        &dir,
+        &proxy.url(),
+        &scene.vera_token,
+        &["#unsent-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let room = lobby.room_id().to_string();
+    // Every attempt of the mouth's first send fails; the retry's first attempt goes through.
+    proxy.fail_sends(gateway::mouth::MAX_ATTEMPTS);
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "said as given"}]}));
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "asked again"}]}));
+    lobby
+        .send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(ann, &lobby, "said as given", Duration::from_secs(120)).await;
+    assert_eq!(got, ["said as given"], "log:\n{}", gw.log());
+    assert_eq!(proxy.sends_failing(), 0, "the send never failed");
+    assert!(
+        gw.log().contains("sending her stored reply"),
+        "log:\n{}",
+        gw.log()
+    );
+    // She was asked once: one billed request carries the batch.
+    let asked = mock
+        .ledger()
+        .iter()
+        .filter(|e| e.status == 200 && e.last_user_text.contains("hello vera"))
+        .count();
+    assert_eq!(asked, 1, "{:?}", mock.ledger());
+    // Nothing more comes, and the batch is acked.
+    assert_eq!(
+        wait_for_reply(ann, &lobby, "asked again", Duration::from_secs(3)).await,
+        ["said as given"]
+    );
+    assert_eq!(gw.stop().code(), Some(0));
+    let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
+    let c = inbox.counts("vera").unwrap();
+    assert_eq!((c.highest, c.acked_through, c.pending), (1, 1, 0));
+    // The one billed turn is in her record, with its cost and why its say did not go out.
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(status["turns_total"], 1, "{status}");
+    let turn = &status["turns"][0];
+    assert!(
+        turn["outcome"]
+            .as_str()
+            .is_some_and(|o| o.contains("not sent yet")),
+        "{turn}"
+    );
+    assert!(turn["cost_usd"].as_f64().is_some_and(|c| c > 0.0), "{turn}");
 }
