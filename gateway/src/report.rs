@@ -3,14 +3,16 @@
 //! 1. her prompt (prefix) against the policy's watermark and the model's window, with a marker
 //!    and its reason for every refresh decision other than going on;
 //! 2. the share of each prompt read from cache;
-//! 3. the cost of each turn;
-//! 4. the cumulative cost against what rebuilding the prompt every turn would have cost.
+//! 3. the cost of each turn, and of what her session cost between turns (keep-warm
+//!    refreshes, compactions, checkpoints);
+//! 4. the cumulative cost, all of it, against what rebuilding the prompt every turn would have
+//!    cost.
 
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::turns::TurnRecord;
+use crate::turns::{RecordKind, TurnRecord};
 
 /// Why a report could not be drawn.
 #[derive(Debug, thiserror::Error)]
@@ -28,13 +30,14 @@ fn draw_err<E: std::fmt::Display>(e: E) -> ReportError {
 }
 
 /// The series every report draws, by their legend names.
-pub const SERIES: [&str; 8] = [
+pub const SERIES: [&str; 9] = [
     "prefix",
     "watermark",
     "window",
     "refresh decision (and its reason)",
     "cache hit ratio",
     "cost of the turn",
+    "between turns: refresh, compaction, checkpoint",
     "live session",
     "rebuilding the prompt every turn (estimate)",
 ];
@@ -78,11 +81,21 @@ fn legend<'a, 'b: 'a>(c: &mut Chart<'a, 'b>, at: SeriesLabelPosition) -> Result<
 /// Picture width and height.
 pub const SIZE: (u32, u32) = (1200, 1400);
 
-/// The report of `persona`'s `turns` as SVG text.
-pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
+/// The report of `persona`'s history (`records`, oldest first) as SVG text.
+pub fn svg(persona: &str, records: &[TurnRecord]) -> Result<String, ReportError> {
+    let upkeep: Vec<&TurnRecord> = records
+        .iter()
+        .filter(|r| r.kind != RecordKind::Turn)
+        .collect();
+    let turns: Vec<TurnRecord> = records
+        .iter()
+        .filter(|r| r.kind == RecordKind::Turn)
+        .cloned()
+        .collect();
+    let turns = &turns[..];
     let first = turns.first().ok_or(ReportError::Empty)?;
-    let t0 = first.at_ms;
-    let span_ms = turns.iter().map(|r| r.at_ms - t0).max().unwrap_or(0);
+    let t0 = records.first().map_or(first.at_ms, |r| r.at_ms);
+    let span_ms = records.iter().map(|r| r.at_ms - t0).max().unwrap_or(0);
     // Time since her first turn in the history: hours, or minutes for a short history.
     let (unit_ms, unit) = if span_ms >= 2 * 3_600_000 {
         (3_600_000.0, "hours")
@@ -90,7 +103,20 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         (60_000.0, "minutes")
     };
     let hours = |r: &TurnRecord| (r.at_ms - t0) as f64 / unit_ms;
-    let x_max = turns.iter().map(hours).fold(0.0_f64, f64::max).max(1e-3) * 1.02;
+    let x_max = records.iter().map(hours).fold(0.0_f64, f64::max).max(1e-3) * 1.02;
+    let total: f64 = records.iter().map(|r| r.cost_usd).sum();
+    let between: f64 = upkeep.iter().map(|r| r.cost_usd).sum();
+    let count = |k: RecordKind| upkeep.iter().filter(|r| r.kind == k).count();
+    let between = if upkeep.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " (${between:.4} between turns: {} refreshes, {} compactions, {} checkpoints)",
+            count(RecordKind::Refresh),
+            count(RecordKind::Compaction),
+            count(RecordKind::Checkpoint)
+        )
+    };
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, SIZE).into_drawing_area();
@@ -99,10 +125,9 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         title
             .titled(
                 &format!(
-                    "{persona}: {} turns over {:.1} {unit}, cost ${:.4}",
+                    "{persona}: {} turns over {:.1} {unit}, cost ${total:.4}{between}",
                     turns.len(),
                     x_max / 1.02,
-                    turns.iter().map(|r| r.cost_usd).fold(0.0, |a, c| a + c)
                 ),
                 ("sans-serif", 26),
             )
@@ -219,8 +244,8 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         .map_err(draw_err)?;
         legend(&mut c, SeriesLabelPosition::LowerRight)?;
 
-        // 3. Cost per turn.
-        let cost_max = turns
+        // 3. Cost per turn, and between turns.
+        let cost_max = records
             .iter()
             .map(|r| r.cost_usd)
             .fold(0.0_f64, f64::max)
@@ -237,13 +262,22 @@ pub fn svg(persona: &str, turns: &[TurnRecord]) -> Result<String, ReportError> {
         .map_err(draw_err)?
         .label("cost of the turn")
         .legend(|(x, y)| Circle::new((x + 10, y), 3, BLUE.filled()));
+        let orange = RGBColor(230, 140, 0);
+        c.draw_series(
+            upkeep
+                .iter()
+                .map(|r| Cross::new((hours(r), r.cost_usd), 3, orange.stroke_width(1))),
+        )
+        .map_err(draw_err)?
+        .label("between turns: refresh, compaction, checkpoint")
+        .legend(move |(x, y)| Cross::new((x + 10, y), 3, orange.stroke_width(1)));
         legend(&mut c, SeriesLabelPosition::UpperLeft)?;
 
-        // 4. Cumulative cost against rebuilding every turn.
-        let mut cum = Vec::with_capacity(turns.len());
-        let mut rebuild = Vec::with_capacity(turns.len());
+        // 4. Cumulative cost (turns and what came between them) against rebuilding every turn.
+        let mut cum = Vec::with_capacity(records.len());
+        let mut rebuild = Vec::with_capacity(records.len());
         let (mut a, mut b) = (0.0, 0.0);
-        for r in turns {
+        for r in records {
             a += r.cost_usd;
             b += r.rebuild_usd;
             cum.push((hours(r), a));
@@ -350,6 +384,45 @@ mod tests {
             std::fs::write(path, &svg).unwrap();
         }
         assert!(matches!(svg_err(), ReportError::Empty));
+    }
+
+    #[test]
+    fn what_came_between_turns_is_in_the_cost_and_not_among_the_turns() {
+        let mut records = run(4);
+        let between = |kind, at_ms, cost_usd| TurnRecord {
+            kind,
+            at_ms,
+            cost_usd,
+            prefix_tokens: 90_000,
+            ..TurnRecord::default()
+        };
+        let t = records[1].at_ms;
+        records.insert(2, between(RecordKind::Refresh, t + 290_000, 0.5));
+        records.insert(3, between(RecordKind::Compaction, t + 300_000, 0.25));
+        let turns: f64 = run(4).iter().map(|r| r.cost_usd).sum();
+        let drawn = svg("mira", &records).unwrap();
+        let doc = roxmltree::Document::parse(&drawn).expect("well-formed SVG");
+        let title = doc
+            .descendants()
+            .filter_map(|n| n.text())
+            .map(str::trim)
+            .find(|t| t.starts_with("mira:"))
+            .unwrap_or_default()
+            .to_owned();
+        // Four turns, all six records' cost, and what came between them.
+        assert!(title.starts_with("mira: 4 turns over "), "{title}");
+        assert!(
+            title.contains(&format!("cost ${:.4}", turns + 0.75))
+                && title.contains("$0.7500 between turns: 1 refreshes, 1 compactions"),
+            "{title}"
+        );
+        // Their cost is drawn as its own series.
+        assert!(drawn.contains("between turns: refresh, compaction, checkpoint"));
+        // A history of what came between turns alone has no turn to draw.
+        assert!(matches!(
+            svg("mira", &records[2..4]),
+            Err(ReportError::Empty)
+        ));
     }
 
     fn svg_err() -> ReportError {

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use session::cost::Prices;
+use session::cost::{Prices, Usage};
 use session::driver::{Cli, CliConfig, DriverError, Turn};
 use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
 use session::render::{self, Note, ReplySchema, Seen};
@@ -110,10 +110,28 @@ impl TurnError {
     }
 }
 
-/// One turn's record (status file).
+/// What a history record is: one of her turns, or what her session cost between turns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordKind {
+    /// A turn: a batch (or notes) shown, her reply handled.
+    #[default]
+    Turn,
+    /// The turn before a planned compaction that asks her what to keep (says not sent).
+    Checkpoint,
+    /// A `/compact`. The CLI reports no usage for it, so its tokens are estimated: the
+    /// conversation read from cache, the summary written as output.
+    Compaction,
+    /// A keep-warm refresh (a one-token fork of her session that reads its prefix).
+    Refresh,
+}
+
+/// One record of her history (`turns.jsonl`; her turns also in the status file).
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct TurnRecord {
+    /// A turn, or what her session cost between turns (older records: a turn).
+    pub kind: RecordKind,
     /// Batch seqs.
     pub first_seq: u64,
     /// Batch seqs.
@@ -173,6 +191,13 @@ struct StatusFile {
     /// Compactions carried out (by `/compact`).
     #[serde(default)]
     compactions: u64,
+    /// Keep-warm refreshes made.
+    #[serde(default)]
+    refreshes: u64,
+    /// What she cost outside her turns (refreshes, compactions, checkpoints), dollars; with
+    /// her turns' costs, what the model API billed for her.
+    #[serde(default)]
+    upkeep_usd: f64,
     turns: VecDeque<TurnRecord>,
     /// Her model (the configured one, or the last operator's switch).
     #[serde(default)]
@@ -216,6 +241,9 @@ pub struct TurnLoop {
     fired: Option<Instant>,
     /// Her processes started so far: which process a failed turn's text went to.
     spawns: u64,
+    /// Her session's running totals at its last result (session id, totals), so that each
+    /// record bills what the API billed since ([`TurnLoop::billed`]).
+    billed_so_far: Option<(String, Usage)>,
     /// A turn the model API failed on: its id, the process that holds its text, the status.
     failed: Option<ApiFailure>,
 }
@@ -279,6 +307,8 @@ impl TurnLoop {
             generation,
             turns_total: earlier.turns_total,
             compactions: earlier.compactions,
+            refreshes: earlier.refreshes,
+            upkeep_usd: earlier.upkeep_usd,
             turns: earlier.turns,
             model: base.model.clone(),
             previous_sessions: earlier.previous_sessions,
@@ -309,6 +339,7 @@ impl TurnLoop {
             fired: None,
             spawns: 0,
             failed: None,
+            billed_so_far: None,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
             persona,
@@ -472,6 +503,13 @@ impl TurnLoop {
                             now.elapsed(),
                             &self.policy,
                         );
+                        self.status.refreshes += 1;
+                        let outcome = if missed {
+                            "refreshed; the cache entry had expired"
+                        } else {
+                            "refreshed"
+                        };
+                        self.record_upkeep(RecordKind::Refresh, &usage, now, outcome);
                         tracing::info!(
                             persona = %self.persona.id,
                             cost,
@@ -685,7 +723,10 @@ impl TurnLoop {
                 // A new session: `fresh_start` forgot what the old one saw. Not here: the
                 // batch it starts with was composed (and marked seen) before the process.
                 None => {
-                    cfg.session_id = Some(uuid::Uuid::new_v4().to_string());
+                    let sid = uuid::Uuid::new_v4().to_string();
+                    // A new session has billed nothing yet.
+                    self.billed_so_far = Some((sid.clone(), Usage::default()));
+                    cfg.session_id = Some(sid);
                     cfg.resume = false;
                 }
             }
@@ -765,6 +806,7 @@ impl TurnLoop {
     /// write back much of what the compaction took out (the session benchmark's long
     /// conversation compacted five times instead of three and cost 1.12x resume-per-turn).
     async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
+        let started = Instant::now();
         // A failed turn's text is summarized with the rest: its retry sends the batch again.
         self.failed = None;
         let done = match self.ensure_cli().await {
@@ -779,6 +821,26 @@ impl TurnLoop {
                 ..
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
+                // The CLI reports no usage for `/compact`; its running totals have the summary
+                // request. Without them (no earlier result of this session in this run) it is
+                // estimated: the conversation sent uncached, the kept size as output.
+                let (usage, how) = match self.billed(&result) {
+                    Some(u) => (u, "billed"),
+                    None => (
+                        Usage {
+                            input: m.pre_tokens,
+                            output: m.post_tokens,
+                            ..Usage::default()
+                        },
+                        "tokens estimated",
+                    ),
+                };
+                self.record_upkeep(
+                    RecordKind::Compaction,
+                    &usage,
+                    started,
+                    &format!("compacted ({why}); {how}"),
+                );
                 // The CLI bills a `/compact` as a local command (no usage); its boundary's
                 // post_tokens (the summary and what was kept) is what the compaction wrote.
                 self.telemetry
@@ -857,7 +919,17 @@ impl TurnLoop {
              are not sent.",
         );
         let text = render::render(&[], &mut self.seen, &[note]);
+        let started = Instant::now();
         let turn = self.run_cli(&text).await?;
+        let billed = self
+            .billed(&turn.result)
+            .unwrap_or_else(|| turn.result.usage.usage());
+        self.record_upkeep(
+            RecordKind::Checkpoint,
+            &billed,
+            started,
+            &format!("{:?}", turn.result.outcome()),
+        );
         match self.schema.check(turn.result.structured_output.as_ref()) {
             Ok(reply) if turn.result.outcome() == Outcome::Ok => {
                 tracing::info!(%turn_id, fields = reply.extensions.len(), unsent_says = reply.say.len(), "checkpoint turn");
@@ -1104,7 +1176,10 @@ impl TurnLoop {
             Err(e) => (0, 0, e.to_string()),
         };
         let shown = stored.len();
+        // Its last request: the prefix the policy watches. What it billed can be more (a
+        // reply bounced by the schema is asked for again).
         let usage = res.usage.usage();
+        let billed = self.billed(res).unwrap_or(usage);
         self.telemetry.after_turn(
             &usage,
             res.outcome(),
@@ -1114,21 +1189,22 @@ impl TurnLoop {
         );
         let (first_seq, last_seq) = span.unwrap_or_default();
         let record = TurnRecord {
+            kind: RecordKind::Turn,
             first_seq,
             last_seq,
             notes: shown,
             extensions,
             generation: self.status.generation,
             duration_ms: started.elapsed().as_millis() as u64,
-            input_tokens: usage.input,
-            cache_read_tokens: usage.cache_read,
-            cache_write_tokens: usage.cache_write_5m + usage.cache_write_1h,
-            output_tokens: usage.output,
+            input_tokens: billed.input,
+            cache_read_tokens: billed.cache_read,
+            cache_write_tokens: billed.cache_write_5m + billed.cache_write_1h,
+            output_tokens: billed.output,
             hit_ratio: usage.hit_ratio(),
             cli_cost_usd: res.total_cost_usd,
             says,
             decision: format!("{decision:?}"),
-            cost_usd: usage.cost(&self.prices),
+            cost_usd: billed.cost(&self.prices),
             outcome,
             at_ms: crate::ear::unix_ms(),
             prefix_tokens: usage.input
@@ -1155,7 +1231,7 @@ impl TurnLoop {
             },
             started.elapsed().as_secs_f64(),
         );
-        m.usage(&id, &usage, record.cost_usd);
+        m.usage(&id, &billed, record.cost_usd);
         tracing::info!(?record, "turn done");
         self.write_status(record);
         delivered.map(drop)
@@ -1334,6 +1410,54 @@ impl TurnLoop {
         while self.status.turns.len() > TELEMETRY_KEPT {
             self.status.turns.pop_front();
         }
+        self.save_status();
+    }
+
+    /// What her session billed since its last result, from the running totals of `result`
+    /// (`None` when they cannot tell: another session, or none seen in this run); the totals
+    /// are kept for the next result.
+    fn billed(&mut self, result: &session::proto::ResultEvent) -> Option<Usage> {
+        let (sid, now) = (result.session_id.clone()?, result.cumulative()?);
+        let since = match &self.billed_so_far {
+            Some((s, before)) if *s == sid => now.since(before),
+            _ => None,
+        };
+        self.billed_so_far = Some((sid, now));
+        since
+    }
+
+    /// Records what her session cost outside a turn (a refresh, a compaction, a checkpoint):
+    /// in her history, her status file's upkeep and the cost metrics, so that what she is
+    /// reported to cost is what the model API billed.
+    fn record_upkeep(&mut self, kind: RecordKind, usage: &Usage, started: Instant, outcome: &str) {
+        let cost = usage.cost(&self.prices);
+        let record = TurnRecord {
+            kind,
+            generation: self.status.generation,
+            duration_ms: started.elapsed().as_millis() as u64,
+            input_tokens: usage.input,
+            cache_read_tokens: usage.cache_read,
+            cache_write_tokens: usage.cache_write_5m + usage.cache_write_1h,
+            output_tokens: usage.output,
+            hit_ratio: usage.hit_ratio(),
+            cost_usd: cost,
+            outcome: outcome.to_owned(),
+            at_ms: crate::ear::unix_ms(),
+            prefix_tokens: usage.prompt_tokens(),
+            watermark_tokens: self.policy.watermark_tokens(),
+            window_tokens: self.policy.context_window,
+            ..TurnRecord::default()
+        };
+        crate::metrics::global().usage(&self.persona.id, usage, cost);
+        if let Err(e) = append_history(
+            &self.status_path.with_file_name(HISTORY_FILE),
+            &record,
+            self.persona.session.history_turns,
+            &mut self.history_lines,
+        ) {
+            tracing::warn!(error = %e, "history not written");
+        }
+        self.status.upkeep_usd += cost;
         self.save_status();
     }
 

@@ -147,11 +147,52 @@ impl Usage {
         self.cache_write_1h += o.cache_write_1h;
         self.output += o.output;
     }
+
+    /// What was used between two cumulative counts, `earlier` and `self`; `None` if any count
+    /// went down (they are not the same running total).
+    pub fn since(&self, earlier: &Usage) -> Option<Usage> {
+        Some(Usage {
+            input: self.input.checked_sub(earlier.input)?,
+            cache_read: self.cache_read.checked_sub(earlier.cache_read)?,
+            cache_write_5m: self.cache_write_5m.checked_sub(earlier.cache_write_5m)?,
+            cache_write_1h: self.cache_write_1h.checked_sub(earlier.cache_write_1h)?,
+            output: self.output.checked_sub(earlier.output)?,
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_between_two_running_totals() {
+        let earlier = Usage {
+            input: 2,
+            cache_read: 810,
+            cache_write_5m: 62,
+            cache_write_1h: 0,
+            output: 24,
+        };
+        let now = Usage {
+            input: 1769,
+            cache_read: 1277,
+            cache_write_5m: 80,
+            cache_write_1h: 0,
+            output: 36,
+        };
+        let d = now.since(&earlier).unwrap();
+        assert_eq!(
+            (d.input, d.cache_read, d.cache_write_5m, d.output),
+            (1767, 467, 18, 12)
+        );
+        let mut back = earlier;
+        back.add(&d);
+        assert_eq!(back, now);
+        // Not the same running total: a count went down.
+        assert_eq!(earlier.since(&now), None);
+        assert_eq!(now.since(&now), Some(Usage::default()));
+    }
 
     #[test]
     fn billing_follows_the_published_ratios() {

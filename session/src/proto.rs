@@ -169,9 +169,60 @@ pub struct ResultEvent {
     /// Errors the CLI reports (e.g. a missing session on `--resume`).
     #[serde(default)]
     pub errors: Vec<String>,
+    /// The session's running totals per model (they go on across `--resume`).
+    #[serde(default, rename = "modelUsage")]
+    pub model_usage: std::collections::BTreeMap<String, ModelUsage>,
+}
+
+/// A model's running totals in a session (`modelUsage` of a result).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelUsage {
+    /// Uncached input tokens.
+    #[serde(default)]
+    pub input_tokens: u64,
+    /// Output tokens.
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// Cache reads.
+    #[serde(default)]
+    pub cache_read_input_tokens: u64,
+    /// All cache writes.
+    #[serde(default)]
+    pub cache_creation_input_tokens: u64,
+    /// 5-minute writes.
+    #[serde(default)]
+    pub cache_creation_ephemeral5m_input_tokens: u64,
+    /// 1-hour writes.
+    #[serde(default)]
+    pub cache_creation_ephemeral1h_input_tokens: u64,
 }
 
 impl ResultEvent {
+    /// The session's running totals, all models together (`None` when the result has none).
+    /// Two results' difference is everything billed between them: every request of a turn
+    /// (`usage` is its last request only) and a `/compact`'s summary request (whose result
+    /// reports no `usage` at all).
+    pub fn cumulative(&self) -> Option<Usage> {
+        if self.model_usage.is_empty() {
+            return None;
+        }
+        let mut total = Usage::default();
+        for m in self.model_usage.values() {
+            let split = m.cache_creation_ephemeral5m_input_tokens
+                + m.cache_creation_ephemeral1h_input_tokens;
+            total.add(&Usage {
+                input: m.input_tokens,
+                cache_read: m.cache_read_input_tokens,
+                cache_write_1h: m.cache_creation_ephemeral1h_input_tokens,
+                cache_write_5m: m.cache_creation_ephemeral5m_input_tokens
+                    + m.cache_creation_input_tokens.saturating_sub(split),
+                output: m.output_tokens,
+            });
+        }
+        Some(total)
+    }
+
     /// How the turn ended, for the refresh policy.
     pub fn outcome(&self) -> Outcome {
         match self.terminal_reason.as_deref() {
@@ -243,6 +294,55 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// What each result adds to the running totals (the first: its own totals).
+    fn billed_between(r: &[&ResultEvent]) -> Vec<Usage> {
+        let mut before = Usage::default();
+        r.iter()
+            .map(|res| {
+                let now = res.cumulative().expect("modelUsage");
+                let d = now.since(&before).expect("a running total");
+                before = now;
+                d
+            })
+            .collect()
+    }
+
+    #[test]
+    fn running_totals_bill_what_a_result_leaves_out() {
+        // One request per turn: the totals' steps are the turns' own usage.
+        let ev = events("q1_so3.stdout.jsonl");
+        let r = results(&ev);
+        let own: Vec<Usage> = r.iter().map(|res| res.usage.usage()).collect();
+        assert_eq!(billed_between(&r), own);
+        // A turn that compacted by itself and retried: `usage` is its last request only.
+        let ev = events("err400multi.stdout.jsonl");
+        let r = results(&ev);
+        assert_eq!(r[2].num_turns, 2);
+        let steps = billed_between(&r);
+        assert_eq!(r[2].usage.usage().prompt_tokens(), 711);
+        assert_eq!(
+            (steps[2].input, steps[2].cache_read, steps[2].output),
+            (3452, 828, 36)
+        );
+        assert_eq!(steps[3], r[3].usage.usage());
+        // `/compact` reports no usage; its summary request is in the totals' step.
+        let ev = events("slash_compact.stdout.jsonl");
+        let r = results(&ev);
+        let compact = r
+            .iter()
+            .position(|res| res.num_turns == 0)
+            .expect("compact");
+        assert_eq!(r[compact].usage.usage(), Usage::default());
+        let steps = billed_between(&r);
+        let s = steps[compact];
+        assert_eq!(
+            (s.input, s.cache_read, s.cache_write_5m, s.output),
+            (1767, 467, 18, 12)
+        );
+        // A result without totals (older CLIs) gives none.
+        assert_eq!(ResultEvent::default().cumulative(), None);
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
 //! - each turn's record prices a fresh start with the lines her rooms would send again;
-//! - a reply whose send failed is sent as she gave it, once, without asking her again.
+//! - a reply whose send failed is sent as she gave it, once, without asking her again;
+//! - a compaction and a keep-warm refresh are in her history at what the mock billed, and a
+//!   refresh keeps her cache through a silence longer than the 5-minute TTL (real time).
 
 use std::time::{Duration, Instant};
 
@@ -374,6 +376,34 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
             "kept {summaries:?}, billed {billed:?}"
         );
     }
+    // Her history has each compaction beside her turns, each billed as the mock billed it
+    // (the CLI reports no usage for `/compact`: its running totals do), and all together
+    // cost what the mock billed for her.
+    let history =
+        gateway::turns::read_history(&dir.join("state/personas/vera/turns.jsonl")).unwrap();
+    use gateway::turns::RecordKind;
+    let cost_of = |k: RecordKind| -> (usize, f64) {
+        let of: Vec<_> = history.iter().filter(|r| r.kind == k).collect();
+        (of.len(), of.iter().map(|r| r.cost_usd).sum())
+    };
+    let (compacted, compaction_cost) = cost_of(RecordKind::Compaction);
+    assert_eq!(compacted as u64, compactions);
+    assert_eq!(cost_of(RecordKind::Turn).0, 8);
+    let summary_bill: f64 = ledger
+        .iter()
+        .filter(|e| e.is_summary())
+        .map(|e| e.cost)
+        .sum();
+    assert!(
+        summary_bill > 0.0 && (compaction_cost - summary_bill).abs() <= 0.01 * summary_bill,
+        "compactions recorded ${compaction_cost}, billed ${summary_bill}"
+    );
+    let recorded: f64 = history.iter().map(|r| r.cost_usd).sum();
+    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
+    assert!(
+        (recorded - bill).abs() <= 0.01 * bill,
+        "recorded ${recorded}, billed ${bill}"
+    );
 }
 
 /// A fresh start is priced with what her rooms would send again: once her session holds lines
@@ -874,4 +904,123 @@ async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it
         "{turn}"
     );
     assert!(turn["cost_usd"].as_f64().is_some_and(|c| c > 0.0), "{turn}");
+}
+
+/// Keep-warm with the 5-minute TTL, through the binary in real time (about six minutes): after
+/// her turn the policy refreshes her cache just before it expires; the refresh reads her
+/// conversation from cache and is in her history at what the mock billed for it; her next turn,
+/// after the five minutes, still reads the conversation instead of writing it again; and all
+/// her records together cost what the mock billed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
+    use gateway::turns::{read_history, RecordKind};
+
+    let scene = Scene::new("run-warm", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "cache_ttl = \"5m\"\n");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let dm = open_dm(ann, &gw).await;
+    let room = dm.room_id().to_string();
+    let say = |text: &str| serde_json::json!({"say": [{"room": room, "text": text}]});
+    mock.script(say("first answer"));
+    let asked = Instant::now();
+    dm.send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(ann, &dm, "first answer", Duration::from_secs(90)).await;
+    assert_eq!(got, ["first answer"], "log:\n{}", gw.log());
+    let ledger = mock.ledger();
+    let first = ledger
+        .iter()
+        .rposition(|e| e.status == 200 && e.last_user_text.contains("hello vera"))
+        .expect("her first turn billed");
+    let first_prompt = ledger[first].usage.prompt_tokens();
+
+    // The refresh, before the entry her turn wrote expires.
+    let history = dir.join("state/personas/vera/turns.jsonl");
+    let refreshes = loop {
+        let h = read_history(&history).unwrap_or_default();
+        let r: Vec<_> = h
+            .into_iter()
+            .filter(|r| r.kind == RecordKind::Refresh)
+            .collect();
+        if !r.is_empty() {
+            break r;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(330),
+            "no refresh within the TTL; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    assert!(
+        asked.elapsed() < Duration::from_secs(300),
+        "the refresh came after her entry expired"
+    );
+    let billed: Vec<_> = mock.ledger()[first + 1..].to_vec();
+    assert_eq!(billed.len(), refreshes.len(), "{billed:?}");
+    for (r, e) in refreshes.iter().zip(&billed) {
+        assert!(
+            e.usage.cache_read >= first_prompt * 9 / 10,
+            "the refresh did not read her conversation: {e:?}"
+        );
+        assert!(
+            (r.cost_usd - e.cost).abs() <= 0.01 * e.cost,
+            "refresh recorded ${}, billed ${}",
+            r.cost_usd,
+            e.cost
+        );
+    }
+
+    // Past the five minutes since her turn: without the refresh her entry would be gone.
+    let ttl = Duration::from_secs(300);
+    tokio::time::sleep((ttl + Duration::from_secs(5)).saturating_sub(asked.elapsed())).await;
+    mock.script(say("second answer"));
+    dm.send(RoomMessageEventContent::text_plain("still there?"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(ann, &dm, "second answer", Duration::from_secs(90)).await;
+    assert_eq!(got, ["first answer", "second answer"], "log:\n{}", gw.log());
+    let ledger = mock.ledger();
+    let second = ledger
+        .iter()
+        .rfind(|e| e.status == 200 && e.last_user_text.contains("still there?"))
+        .expect("her second turn billed");
+    assert!(
+        second.usage.cache_read >= first_prompt * 9 / 10,
+        "her conversation was written again after the silence: {second:?}"
+    );
+    assert_eq!(gw.stop().code(), Some(0));
+
+    // Her status counts the refreshes and what they cost; her records cost the bill.
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(status["refreshes"].as_u64(), Some(refreshes.len() as u64));
+    let upkeep: f64 = refreshes.iter().map(|r| r.cost_usd).sum();
+    assert!(
+        (status["upkeep_usd"].as_f64().unwrap_or(0.0) - upkeep).abs() < 1e-9,
+        "{status}"
+    );
+    let recorded: f64 = read_history(&history)
+        .unwrap()
+        .iter()
+        .map(|r| r.cost_usd)
+        .sum();
+    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
+    assert!(
+        (recorded - bill).abs() <= 0.01 * bill,
+        "recorded ${recorded}, billed ${bill}"
+    );
 }

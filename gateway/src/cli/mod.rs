@@ -244,7 +244,11 @@ fn report(
     let svg =
         gateway::report::svg(&p.id, &turns).with_context(|| format!("the report of {}", p.id))?;
     std::fs::write(out, svg).with_context(|| format!("writing {}", out.display()))?;
-    println!("{}: {} turns -> {}", p.id, turns.len(), out.display());
+    let n = turns
+        .iter()
+        .filter(|r| r.kind == gateway::turns::RecordKind::Turn)
+        .count();
+    println!("{}: {n} turns -> {}", p.id, out.display());
     Ok(())
 }
 
