@@ -1189,30 +1189,13 @@ impl TurnLoop {
         );
         let (first_seq, last_seq) = span.unwrap_or_default();
         let record = TurnRecord {
-            kind: RecordKind::Turn,
             first_seq,
             last_seq,
             notes: shown,
             extensions,
-            generation: self.status.generation,
-            duration_ms: started.elapsed().as_millis() as u64,
-            input_tokens: billed.input,
-            cache_read_tokens: billed.cache_read,
-            cache_write_tokens: billed.cache_write_5m + billed.cache_write_1h,
-            output_tokens: billed.output,
-            hit_ratio: usage.hit_ratio(),
             cli_cost_usd: res.total_cost_usd,
             says,
             decision: format!("{decision:?}"),
-            cost_usd: billed.cost(&self.prices),
-            outcome,
-            at_ms: crate::ear::unix_ms(),
-            prefix_tokens: usage.input
-                + usage.cache_read
-                + usage.cache_write_5m
-                + usage.cache_write_1h,
-            watermark_tokens: self.policy.watermark_tokens(),
-            window_tokens: self.policy.context_window,
             // A rebuild's (the old design's) price, not a fresh start's: that also counts
             // what her rooms would send again, which a rebuild per turn never held.
             rebuild_usd: Prices::dollars(
@@ -1220,6 +1203,7 @@ impl TurnLoop {
                 self.policy.prices.write(self.policy.ttl),
             ),
             fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
+            ..self.record(RecordKind::Turn, &billed, &usage, started, outcome)
         };
         let m = crate::metrics::global();
         m.turn(
@@ -1396,15 +1380,49 @@ impl TurnLoop {
         latest
     }
 
-    fn write_status(&mut self, record: TurnRecord) {
+    /// A record of what her session billed (`billed`) since the last, with the prompt of its
+    /// last request (`last`: the prefix and its hit share) and its wall time since `started`.
+    fn record(
+        &self,
+        kind: RecordKind,
+        billed: &Usage,
+        last: &Usage,
+        started: Instant,
+        outcome: String,
+    ) -> TurnRecord {
+        TurnRecord {
+            kind,
+            generation: self.status.generation,
+            duration_ms: started.elapsed().as_millis() as u64,
+            input_tokens: billed.input,
+            cache_read_tokens: billed.cache_read,
+            cache_write_tokens: billed.cache_write_5m + billed.cache_write_1h,
+            output_tokens: billed.output,
+            cost_usd: billed.cost(&self.prices),
+            hit_ratio: last.hit_ratio(),
+            prefix_tokens: last.prompt_tokens(),
+            outcome,
+            at_ms: crate::ear::unix_ms(),
+            watermark_tokens: self.policy.watermark_tokens(),
+            window_tokens: self.policy.context_window,
+            ..TurnRecord::default()
+        }
+    }
+
+    /// Appends `record` to her history file (a failure is logged: the turn is done anyway).
+    fn append_to_history(&mut self, record: &TurnRecord) {
         if let Err(e) = append_history(
             &self.status_path.with_file_name(HISTORY_FILE),
-            &record,
+            record,
             self.persona.session.history_turns,
             &mut self.history_lines,
         ) {
-            tracing::warn!(error = %e, "turn history not written");
+            tracing::warn!(error = %e, "history not written");
         }
+    }
+
+    fn write_status(&mut self, record: TurnRecord) {
+        self.append_to_history(&record);
         self.status.turns_total += 1;
         self.status.turns.push_back(record);
         while self.status.turns.len() > TELEMETRY_KEPT {
@@ -1430,34 +1448,10 @@ impl TurnLoop {
     /// in her history, her status file's upkeep and the cost metrics, so that what she is
     /// reported to cost is what the model API billed.
     fn record_upkeep(&mut self, kind: RecordKind, usage: &Usage, started: Instant, outcome: &str) {
-        let cost = usage.cost(&self.prices);
-        let record = TurnRecord {
-            kind,
-            generation: self.status.generation,
-            duration_ms: started.elapsed().as_millis() as u64,
-            input_tokens: usage.input,
-            cache_read_tokens: usage.cache_read,
-            cache_write_tokens: usage.cache_write_5m + usage.cache_write_1h,
-            output_tokens: usage.output,
-            hit_ratio: usage.hit_ratio(),
-            cost_usd: cost,
-            outcome: outcome.to_owned(),
-            at_ms: crate::ear::unix_ms(),
-            prefix_tokens: usage.prompt_tokens(),
-            watermark_tokens: self.policy.watermark_tokens(),
-            window_tokens: self.policy.context_window,
-            ..TurnRecord::default()
-        };
-        crate::metrics::global().usage(&self.persona.id, usage, cost);
-        if let Err(e) = append_history(
-            &self.status_path.with_file_name(HISTORY_FILE),
-            &record,
-            self.persona.session.history_turns,
-            &mut self.history_lines,
-        ) {
-            tracing::warn!(error = %e, "history not written");
-        }
-        self.status.upkeep_usd += cost;
+        let record = self.record(kind, usage, usage, started, outcome.to_owned());
+        crate::metrics::global().usage(&self.persona.id, usage, record.cost_usd);
+        self.append_to_history(&record);
+        self.status.upkeep_usd += record.cost_usd;
         self.save_status();
     }
 
