@@ -119,8 +119,9 @@ pub enum RecordKind {
     Turn,
     /// The turn before a planned compaction that asks her what to keep (says not sent).
     Checkpoint,
-    /// A `/compact`. The CLI reports no usage for it, so its tokens are estimated: the
-    /// conversation read from cache, the summary written as output.
+    /// A `/compact`. The CLI reports no usage for it: its tokens are the step of the session's
+    /// running totals, or, without an earlier result of the session in this run to step
+    /// from, an estimate (the conversation sent uncached, the size it kept as output).
     Compaction,
     /// A keep-warm refresh (a one-token fork of her session that reads its prefix).
     Refresh,

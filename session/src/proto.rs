@@ -343,6 +343,28 @@ mod tests {
         );
         // A result without totals (older CLIs) gives none.
         assert_eq!(ResultEvent::default().cumulative(), None);
+        // Writes by TTL as the CLI names them; two models add up.
+        let r: ResultEvent = serde_json::from_value(serde_json::json!({
+            "type": "result",
+            "modelUsage": {
+                "claude-sonnet-4-5": {"inputTokens": 5, "outputTokens": 7,
+                    "cacheReadInputTokens": 11, "cacheCreationInputTokens": 300,
+                    "cacheCreationEphemeral5mInputTokens": 100,
+                    "cacheCreationEphemeral1hInputTokens": 200},
+                "claude-haiku-4-5": {"inputTokens": 1, "cacheCreationInputTokens": 4}
+            }
+        }))
+        .unwrap();
+        assert_eq!(
+            r.cumulative(),
+            Some(Usage {
+                input: 6,
+                cache_read: 11,
+                cache_write_5m: 104,
+                cache_write_1h: 200,
+                output: 7,
+            })
+        );
     }
 
     #[test]

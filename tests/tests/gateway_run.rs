@@ -945,7 +945,7 @@ async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
         .expect("her first turn billed");
     let first_prompt = ledger[first].usage.prompt_tokens();
 
-    // The refresh, before the entry her turn wrote expires.
+    // The refresh, when the entry her turn wrote is about to expire.
     let history = dir.join("state/personas/vera/turns.jsonl");
     let refreshes = loop {
         let h = read_history(&history).unwrap_or_default();
@@ -963,10 +963,8 @@ async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    assert!(
-        asked.elapsed() < Duration::from_secs(300),
-        "the refresh came after her entry expired"
-    );
+    // Each refresh read her conversation from cache: it came before the entry expired (the
+    // mock's clock decides, not this test's).
     let billed: Vec<_> = mock.ledger()[first + 1..].to_vec();
     assert_eq!(billed.len(), refreshes.len(), "{billed:?}");
     for (r, e) in refreshes.iter().zip(&billed) {
