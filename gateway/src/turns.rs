@@ -851,6 +851,15 @@ impl TurnLoop {
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
+                // Its summary request may have been billed all the same.
+                if let Some(u) = self.billed(&t.result).filter(|u| *u != Usage::default()) {
+                    self.record_upkeep(
+                        RecordKind::Compaction,
+                        &u,
+                        started,
+                        &format!("compaction failed ({why}); she starts fresh"),
+                    );
+                }
                 self.fresh_start(why)?;
             }
             Err(e) => {
@@ -1177,10 +1186,15 @@ impl TurnLoop {
             Err(e) => (0, 0, e.to_string()),
         };
         let shown = stored.len();
-        // Its last request: the prefix the policy watches. What it billed can be more (a
-        // reply bounced by the schema is asked for again).
+        // What it billed: every request of the turn (a reply bounced by the schema is asked
+        // for again), and anything since the last result the result leaves out.
         let usage = res.usage.usage();
         let billed = self.billed(res).unwrap_or(usage);
+        // The prefix the policy watches: the last request's prompt, with the turn's output.
+        let usage = turn.last_request.map_or(usage, |last| Usage {
+            output: usage.output,
+            ..last
+        });
         self.telemetry.after_turn(
             &usage,
             res.outcome(),

@@ -20,7 +20,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tracing::{debug, warn};
 
-use crate::cost::Ttl;
+use crate::cost::{Ttl, Usage};
 use crate::proto::{self, Event, ResultEvent};
 
 /// How to start the CLI. Its `Debug` leaves the API key out.
@@ -146,6 +146,10 @@ pub struct Turn {
     /// the CLI sent it. The cache entry it read lives a TTL from its read, not from the turn's
     /// end (which comes after the whole reply has streamed).
     pub last_request_at: Instant,
+    /// What the turn's last request reported when its answer began (its prompt as sent: the
+    /// conversation's size). The result's `usage` adds up every request of the turn, so
+    /// after a reply bounced by the schema it counts the conversation twice.
+    pub last_request: Option<Usage>,
 }
 
 /// Who compacts a conversation that outgrows the window.
@@ -434,6 +438,7 @@ impl Cli {
         let mut reset = false;
         let mut compacted = None;
         let mut last_request_at = written;
+        let mut last_request = None;
         // A tool result the CLI may answer with a new request (or end the turn with).
         let mut tool_result_at = None;
         loop {
@@ -448,12 +453,16 @@ impl Cli {
                         reset,
                         compacted,
                         last_request_at,
+                        last_request,
                     });
                 }
                 Event::User(_) => tool_result_at = Some(Instant::now()),
-                Event::Assistant(_) => {
+                Event::Assistant(m) => {
                     if let Some(at) = tool_result_at.take() {
                         last_request_at = at;
+                    }
+                    if let Some(u) = m.usage() {
+                        last_request = Some(u);
                     }
                 }
                 Event::System(s) => {

@@ -83,6 +83,15 @@ pub struct MessageEvent {
     pub is_api_error_message: bool,
 }
 
+impl MessageEvent {
+    /// The usage its request reported (`message.usage`), if it carries one. Printed as the
+    /// answer begins, so its prompt counts are final and its output count may not be.
+    pub fn usage(&self) -> Option<Usage> {
+        let u: ApiUsage = serde_json::from_value(self.message.get("usage")?.clone()).ok()?;
+        Some(u.usage())
+    }
+}
+
 /// Token counts as the API reports them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 pub struct ApiUsage {
@@ -200,9 +209,9 @@ pub struct ModelUsage {
 
 impl ResultEvent {
     /// The session's running totals, all models together (`None` when the result has none).
-    /// Two results' difference is everything billed between them: every request of a turn
-    /// (`usage` is its last request only) and a `/compact`'s summary request (whose result
-    /// reports no `usage` at all).
+    /// Two results' difference is everything billed between them, also what a result's
+    /// `usage` leaves out: a compaction's summary request (the CLI's own, within a turn, or a
+    /// `/compact`, whose result reports no `usage` at all).
     pub fn cumulative(&self) -> Option<Usage> {
         if self.model_usage.is_empty() {
             return None;
@@ -316,7 +325,17 @@ mod tests {
         let r = results(&ev);
         let own: Vec<Usage> = r.iter().map(|res| res.usage.usage()).collect();
         assert_eq!(billed_between(&r), own);
-        // A turn that compacted by itself and retried: `usage` is its last request only.
+        // Each request's own prompt is on its assistant message: one per turn here.
+        let asked: Vec<u64> = ev
+            .iter()
+            .filter_map(|e| match e {
+                Event::Assistant(m) => m.usage().map(|u| u.prompt_tokens()),
+                _ => None,
+            })
+            .collect();
+        let prompts: Vec<u64> = own.iter().map(Usage::prompt_tokens).collect();
+        assert_eq!(asked, prompts);
+        // A turn that compacted by itself and retried: its `usage` leaves out the summary.
         let ev = events("err400multi.stdout.jsonl");
         let r = results(&ev);
         assert_eq!(r[2].num_turns, 2);

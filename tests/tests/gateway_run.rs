@@ -3,7 +3,8 @@
 //! - an operator's encrypted DM is answered by her live session, exactly once, also when the
 //!   CLI is killed with `kill -9` mid-turn; after a restart of the gateway the resumed session
 //!   is not shown again the lines it holds; a batch the model API failed on is not sent again
-//!   to the process whose conversation holds it;
+//!   to the process whose conversation holds it; a turn of two requests (a reply bounced by
+//!   the schema) is recorded at what both billed, its prefix the last one's prompt;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
 //! - each turn's record prices a fresh start with the lines her rooms would send again;
@@ -201,6 +202,52 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         svg.starts_with("<svg") && svg.contains("vera: 3 turns") && svg.contains("live session")
     );
     assert_eq!(gw.stop().code(), Some(0));
+
+    // Her next turn's reply breaks the schema (a say without text) and the CLI asks again:
+    // two requests in one result, whose `usage` adds them up. Her record bills both, and
+    // shows her prefix as the last request's prompt, not their sum.
+    let gw = GatewayProcess::start(&config);
+    let from = mock.ledger().len();
+    mock.script(serde_json::json!({"say": [{"room": room}]}));
+    mock.script(serde_json::json!({"say": [{"room": room, "text": "fourth answer"}]}));
+    dm.send(RoomMessageEventContent::text_plain("one more?"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(ann, &dm, "fourth answer", Duration::from_secs(90)).await;
+    assert_eq!(
+        got.last().map(String::as_str),
+        Some("fourth answer"),
+        "{got:?}"
+    );
+    let history = dir.join("state/personas/vera/turns.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let last = loop {
+        let h = gateway::turns::read_history(&history).unwrap_or_default();
+        if let Some(r) = h.last().filter(|r| r.last_seq == 4) {
+            break r.clone();
+        }
+        assert!(Instant::now() < deadline, "no record of her fourth turn");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(gw.stop().code(), Some(0));
+    let asked: Vec<_> = mock.ledger()[from..]
+        .iter()
+        .filter(|e| e.status == 200)
+        .cloned()
+        .collect();
+    let prompts: Vec<u64> = asked.iter().map(|e| e.usage.prompt_tokens()).collect();
+    assert_eq!(prompts.len(), 2, "the CLI did not ask again: {prompts:?}");
+    assert_eq!(
+        last.prefix_tokens, prompts[1],
+        "her prefix is not her last request's prompt (the requests' prompts: {prompts:?})"
+    );
+    let billed: f64 = asked.iter().map(|e| e.cost).sum();
+    assert!(
+        (last.cost_usd - billed).abs() <= 0.01 * billed,
+        "her turn recorded ${}, billed ${billed} (its last request ${})",
+        last.cost_usd,
+        asked[1].cost
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
