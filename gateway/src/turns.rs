@@ -1059,9 +1059,13 @@ impl TurnLoop {
             // She answered this batch and a say failed (or the gateway stopped between
             // says): the same reply is sent, each say at most once; she is not asked again.
             tracing::info!("sending her stored reply to this batch");
+            let started = Instant::now();
             let lines = self.room_lines();
             self.deliver(&turn_id, batch, &stored, Some(&output), &lines)
                 .await?;
+            // Counted as a turn that went out, after the one whose say failed (counted by
+            // the turn loop as `send_failed`); nothing was billed for it.
+            crate::metrics::global().turn(&id, "sent", started.elapsed().as_secs_f64());
             return Ok(());
         }
         let rooms: Vec<String> = batch
@@ -1221,15 +1225,18 @@ impl TurnLoop {
             ..self.record(RecordKind::Turn, &billed, &usage, started, outcome)
         };
         let m = crate::metrics::global();
-        m.turn(
-            &id,
-            if record.outcome == "sent" {
-                "sent"
-            } else {
-                "not_sent"
-            },
-            started.elapsed().as_secs_f64(),
-        );
+        // A say that failed fails the turn, which the turn loop counts by its error.
+        if delivered.is_ok() {
+            m.turn(
+                &id,
+                if record.outcome == "sent" {
+                    "sent"
+                } else {
+                    "not_sent"
+                },
+                started.elapsed().as_secs_f64(),
+            );
+        }
         m.usage(&id, &billed, record.cost_usd);
         tracing::info!(?record, "turn done");
         self.write_status(record);
