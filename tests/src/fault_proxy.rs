@@ -2,8 +2,9 @@
 //! Synapse unchanged (one request per connection), except that it answers the next `n` `/sync`
 //! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait, can hold message sends
 //! for a while, and can answer the next `n` message sends itself with `502 Bad Gateway` (a
-//! homeserver down behind its proxy). Synapse does not rate-limit `/sync` and is never slow on demand, so this is how a
-//! test makes the ear meet a 429 it must wait out, and the mouth a slow homeserver.
+//! homeserver down behind its proxy). Synapse does not rate-limit `/sync` and is never slow
+//! or down on demand, so this is how a test makes the ear meet a 429 it must wait out, and the
+//! mouth a slow or failing homeserver.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
