@@ -1192,15 +1192,15 @@ impl TurnLoop {
         let shown = stored.len();
         // What it billed: every request of the turn (a reply bounced by the schema is asked
         // for again), and anything since the last result the result leaves out.
-        let usage = res.usage.usage();
-        let billed = self.billed(res).unwrap_or(usage);
+        let own = res.usage.usage();
+        let billed = self.billed(res).unwrap_or(own);
         // The prefix the policy watches: the last request's prompt, with the turn's output.
-        let usage = turn.last_request.map_or(usage, |last| Usage {
-            output: usage.output,
+        let last = turn.last_request.map_or(own, |last| Usage {
+            output: own.output,
             ..last
         });
         self.telemetry.after_turn(
-            &usage,
+            &last,
             res.outcome(),
             turn.last_request_at,
             Instant::now(),
@@ -1222,7 +1222,7 @@ impl TurnLoop {
                 self.policy.prices.write(self.policy.ttl),
             ),
             fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
-            ..self.record(RecordKind::Turn, &billed, &usage, started, outcome)
+            ..self.record(RecordKind::Turn, &billed, &last, started, outcome)
         };
         let m = crate::metrics::global();
         // A say that failed fails the turn, which the turn loop counts by its error.

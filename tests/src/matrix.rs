@@ -430,6 +430,58 @@ pub fn add_cultnet_lines(config: &Path, lines: &str) {
     std::fs::write(config, text).expect("write config");
 }
 
+/// Adds a `[metrics]` section binding `bind` (`127.0.0.1:0` for a port of the system's
+/// choosing, read back with [`GatewayProcess::metrics_addr`]) to a config written by
+/// [`write_config`]: it goes before the first `[[persona]]` table.
+pub fn add_metrics(config: &Path, bind: &str) {
+    let text = std::fs::read_to_string(config).expect("read config");
+    assert!(text.contains("[[persona]]"), "no persona in:\n{text}");
+    let text = text.replacen(
+        "[[persona]]",
+        &format!("[metrics]\nbind = \"{bind}\"\n\n[[persona]]"),
+        1,
+    );
+    std::fs::write(config, text).expect("write config");
+}
+
+/// Every sample of a scrape of `addr`'s `/metrics` (the gateway `gw`'s), by name and labels
+/// (`name{a="x",b="y"}` with sorted labels), parsed as Prometheus text.
+pub fn scrape(
+    addr: std::net::SocketAddr,
+    gw: &GatewayProcess,
+) -> std::collections::HashMap<String, f64> {
+    let (code, body) = crate::synapse::get(addr.port(), "/metrics", None)
+        .unwrap_or_else(|| panic!("no answer to a scrape; log:\n{}", gw.log()));
+    assert_eq!(code, 200, "{body}");
+    let lines = body.lines().map(|l| Ok(l.to_owned()));
+    let parsed = prometheus_parse::Scrape::parse(lines).expect("Prometheus text");
+    parsed
+        .samples
+        .into_iter()
+        .filter_map(|s| {
+            let v = match s.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => return None,
+            };
+            let mut labels: Vec<String> = s
+                .labels
+                .iter()
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect();
+            labels.sort();
+            Some((format!("{}{{{}}}", s.metric, labels.join(",")), v))
+        })
+        .collect()
+}
+
+/// The sample `key` of a [`scrape`]; panics, naming what there is, when it is missing.
+pub fn value(m: &std::collections::HashMap<String, f64>, key: &str) -> f64 {
+    *m.get(key)
+        .unwrap_or_else(|| panic!("no {key} in the scrape: {:?}", m.keys().collect::<Vec<_>>()))
+}
+
 /// A `[[persona]]` block for `@ID:localhost` on device `GW-ID` (upper case), her token written
 /// to `DIR/ID.token` (mode 0600), with her rooms and operators, and `extra` lines after it
 /// (a `[persona.session]` or `[persona.limits]` section).

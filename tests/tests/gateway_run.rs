@@ -903,13 +903,8 @@ async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it
         &[],
         &session,
     );
-    // Her metrics, on a port of the system's choosing ([metrics] before the first persona).
-    let text = std::fs::read_to_string(&config).unwrap().replacen(
-        "[[persona]]",
-        "[metrics]\nbind = \"127.0.0.1:0\"\n\n[[persona]]",
-        1,
-    );
-    std::fs::write(&config, text).unwrap();
+    // Her metrics, on a port of the system's choosing.
+    tests::matrix::add_metrics(&config, "127.0.0.1:0");
     let gw = GatewayProcess::start(&config);
     let room = lobby.room_id().to_string();
     // Every attempt of the mouth's first send fails; the retry's first attempt goes through.
@@ -937,29 +932,24 @@ async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it
     assert_eq!(asked, 1, "{:?}", mock.ledger());
     // The metrics count the turn whose say failed by its failure, the one that sent her stored
     // reply as sent, and bill what the mock billed.
-    let metrics = gw.metrics_addr().port();
-    let sample = |body: &str, name: &str, label: &str| -> f64 {
-        body.lines()
-            .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
+    let turns = |m: &std::collections::HashMap<String, f64>, outcome: &str| {
+        let key = format!("cultnet_gateway_turns_total{{outcome=\"{outcome}\",persona=\"vera\"}}");
+        m.get(&key).copied().unwrap_or(0.0)
     };
     let deadline = Instant::now() + Duration::from_secs(30);
-    let body = loop {
-        let (_, body) = tests::synapse::get(metrics, "/metrics", None).unwrap_or_default();
-        let turns = "cultnet_gateway_turns_total";
-        if sample(&body, turns, "outcome=\"sent\"") >= 1.0 || Instant::now() > deadline {
-            let counted: Vec<f64> = ["send_failed", "sent", "not_sent"]
-                .iter()
-                .map(|o| sample(&body, turns, &format!("outcome=\"{o}\"")))
-                .collect();
-            assert_eq!(counted, [1.0, 1.0, 0.0], "{body}");
-            break body;
+    let m = loop {
+        let m = tests::matrix::scrape(gw.metrics_addr(), &gw);
+        if turns(&m, "sent") >= 1.0 || Instant::now() > deadline {
+            break m;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let reported = sample(&body, "cultnet_gateway_cost_usd_total", "persona=\"vera\"");
+    let counted: Vec<f64> = ["send_failed", "sent", "not_sent"]
+        .iter()
+        .map(|o| turns(&m, o))
+        .collect();
+    assert_eq!(counted, [1.0, 1.0, 0.0], "{m:?}");
+    let reported = tests::matrix::value(&m, "cultnet_gateway_cost_usd_total{persona=\"vera\"}");
     let billed: f64 = mock.ledger().iter().map(|e| e.cost).sum();
     assert!(
         billed > 0.0 && (reported - billed).abs() <= 0.01 * billed,

@@ -9,7 +9,7 @@ use ed25519_dalek::SigningKey;
 use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use tests::live::{live_section, public_hex, wait_for_reply};
-use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::matrix::{add_metrics, public_room, scrape, value, write_config, GatewayProcess, Scene};
 use tests::mock_api::{MockApi, MockConfig};
 use tests::synapse::Limits;
 use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
@@ -17,39 +17,6 @@ use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
 /// `GET path` on `addr`: status code and body.
 fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     tests::synapse::get(addr.port(), path, None)
-}
-
-/// Every sample of a scrape, by name and labels (`name{a="x",b="y"}` with sorted labels).
-fn scrape(addr: SocketAddr, gw: &GatewayProcess) -> HashMap<String, f64> {
-    let (code, body) = get(addr, "/metrics")
-        .unwrap_or_else(|| panic!("no answer to a scrape; log:\n{}", gw.log()));
-    assert_eq!(code, 200, "{body}");
-    let lines = body.lines().map(|l| Ok(l.to_owned()));
-    let parsed = prometheus_parse::Scrape::parse(lines).expect("Prometheus text");
-    parsed
-        .samples
-        .into_iter()
-        .filter_map(|s| {
-            let v = match s.value {
-                prometheus_parse::Value::Counter(v)
-                | prometheus_parse::Value::Gauge(v)
-                | prometheus_parse::Value::Untyped(v) => v,
-                _ => return None,
-            };
-            let mut labels: Vec<String> = s
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}=\"{v}\""))
-                .collect();
-            labels.sort();
-            Some((format!("{}{{{}}}", s.metric, labels.join(",")), v))
-        })
-        .collect()
-}
-
-fn value(m: &HashMap<String, f64>, key: &str) -> f64 {
-    *m.get(key)
-        .unwrap_or_else(|| panic!("no {key} in the scrape: {:?}", m.keys().collect::<Vec<_>>()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,13 +64,7 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
             public_hex(&heart)
         ),
     );
-    // [metrics] goes before the first [[persona]] table.
-    let text = std::fs::read_to_string(&config).unwrap().replacen(
-        "[[persona]]",
-        &format!("[metrics]\nbind = \"{port}\"\n\n[[persona]]"),
-        1,
-    );
-    std::fs::write(&config, text).unwrap();
+    add_metrics(&config, &port.to_string());
 
     // /readyz answers 503 until she has synced, then 200.
     let watcher = std::thread::spawn(move || {
