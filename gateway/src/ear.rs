@@ -249,7 +249,8 @@ impl Ear {
             events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
             if since.is_some() && mail_from < events.len() {
-                lines.extend(self.backfill(&room, &info.room_id, &events).await);
+                let before = update.timeline.prev_batch.as_deref();
+                lines.extend(self.backfill(&room, &info.room_id, &events, before).await);
             }
             for (i, (utd, ev)) in events.into_iter().enumerate() {
                 let sender_name = self.sender_name(&room, &ev).await;

@@ -1,10 +1,11 @@
 //! A fault-injecting HTTP proxy in front of a real homeserver: it forwards every request to
 //! Synapse unchanged (one request per connection), except that it answers the next `n` `/sync`
 //! requests itself with `429 M_LIMIT_EXCEEDED` and a requested wait, can hold message sends
-//! for a while, and can answer the next `n` message sends itself with `502 Bad Gateway` (a
-//! homeserver down behind its proxy). Synapse does not rate-limit `/sync` and is never slow
-//! or down on demand, so this is how a test makes the ear meet a 429 it must wait out, and the
-//! mouth a slow or failing homeserver.
+//! for a while, can answer the next `n` message sends itself with `502 Bad Gateway` (a
+//! homeserver down behind its proxy), and can hold history reads (`/messages`) until released.
+//! Synapse does not rate-limit `/sync` and is never slow or down on demand, so this is how a
+//! test makes the ear meet a 429 it must wait out or a room that moves on while it reads
+//! history, and the mouth a slow or failing homeserver.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -43,6 +44,10 @@ struct Plan {
     send_delay_ms: std::sync::atomic::AtomicU64,
     /// Message sends still to be answered 502 instead of forwarded.
     sends_failing: AtomicU32,
+    /// History reads (`/messages`) wait while this is set.
+    hold_history: std::sync::atomic::AtomicBool,
+    /// History reads received so far (held or not).
+    history_reads: AtomicU32,
 }
 
 /// The proxy; stopped when dropped.
@@ -70,6 +75,8 @@ impl FaultProxy {
             first_at: std::sync::Mutex::new(None),
             send_delay_ms: std::sync::atomic::AtomicU64::new(0),
             sends_failing: AtomicU32::new(0),
+            hold_history: std::sync::atomic::AtomicBool::new(false),
+            history_reads: AtomicU32::new(0),
         });
         let shared = plan.clone();
         let task = tokio::spawn(async move {
@@ -107,6 +114,22 @@ impl FaultProxy {
     /// forwarding them.
     pub fn fail_sends(&self, n: u32) {
         self.plan.sends_failing.store(n, Ordering::SeqCst);
+    }
+
+    /// Holds every history read (`/messages`) until [`FaultProxy::release_history`]: a slow
+    /// homeserver, as far as the ear's reads of a room's past can tell.
+    pub fn hold_history(&self) {
+        self.plan.hold_history.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets the held history reads (and later ones) through.
+    pub fn release_history(&self) {
+        self.plan.hold_history.store(false, Ordering::SeqCst);
+    }
+
+    /// History reads (`/messages`) received so far, held ones included.
+    pub fn history_reads(&self) -> u32 {
+        self.plan.history_reads.load(Ordering::SeqCst)
     }
 
     /// Message sends still to be failed.
@@ -212,6 +235,12 @@ async fn serve(mut conn: TcpStream, upstream: SocketAddr, plan: &Plan) -> std::i
         );
         conn.write_all(response.as_bytes()).await?;
         return conn.shutdown().await;
+    }
+    if path.contains("/messages") {
+        plan.history_reads.fetch_add(1, Ordering::SeqCst);
+        while plan.hold_history.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     let delay = plan.send_delay_ms.load(Ordering::SeqCst);
     if delay > 0 && path.contains("/send/") {

@@ -1,12 +1,14 @@
 //! The ear and mouth against a real Synapse: every kind of delivery, an encrypted DM from an
 //! operator answered in the encrypted room, first-sync history that is not mail, restarts
-//! before and after ack, a 300-message gap filled in order, and sends that happen once.
+//! before and after ack, a 300-message gap filled in order, sends that happen once, a cold
+//! room's history read for context, and a line said during that read kept in its place.
 
 use std::time::Duration;
 
 use matrix_sdk::ruma::events::room::message::{MessageType, RoomMessageEventContent};
 use matrix_sdk::ruma::events::Mentions;
 use matrix_sdk::ruma::OwnedUserId;
+use tests::fault_proxy::FaultProxy;
 use tests::matrix::{
     has_joined, persona, public_room, room_bodies, sync, token_for, user_client, Gateway, Scene,
 };
@@ -505,4 +507,61 @@ async fn a_cold_room_reads_its_history_for_context() {
     );
     let pos = |t: &str| texts.iter().position(|x| *x == t);
     assert!(pos("old 10") < pos("old 29"), "{texts:?}");
+}
+
+/// A room that moves on while the ear reads its history: the line said during the read is
+/// not taken for an old one. It is delivered after the question with the question in its
+/// context, and the question's context does not hold it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_line_said_while_the_ear_reads_history_keeps_its_place() {
+    let scene = Scene::new("ear-race", Limits::Relaxed).await;
+    let den = public_room(&scene.ann, "den").await;
+    for i in 0..30 {
+        den.send(text(&format!("old {i}"))).await.unwrap();
+    }
+    let proxy = FaultProxy::start(&scene.url).await;
+    let mut p = persona(&proxy.url(), "vera", &["#den:localhost"], &[]);
+    p.limits.fetch_limit = 5;
+    let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
+    proxy.hold_history();
+    let reads = proxy.history_reads();
+    den.send(text("the question")).await.unwrap();
+    let room_moves_on = async {
+        // The ear has the question and reads the room's past (held): a follow-up is said.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while proxy.history_reads() == reads {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the ear never read the room's history"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        den.send(text("a follow-up")).await.unwrap();
+        proxy.release_history();
+    };
+    tokio::join!(gw.until_pending(1, Duration::from_secs(30)), room_moves_on);
+    gw.until_pending(2, Duration::from_secs(20)).await;
+    let ds = gw.inbox.pending("vera", 0, 10, None).unwrap().deliveries;
+    let texts = |ls: &[wire::docs::ContextLine]| -> Vec<String> {
+        ls.iter().map(|l| l.text.clone()).collect()
+    };
+    assert_eq!(
+        ds.iter().map(|d| d.text.as_str()).collect::<Vec<_>>(),
+        ["the question", "a follow-up"]
+    );
+    let want: Vec<String> = (10..30).map(|i| format!("old {i}")).collect();
+    assert_eq!(texts(&ds[0].context), want, "the question's context");
+    assert_eq!(
+        texts(&ds[1].context).last().map(String::as_str),
+        Some("the question"),
+        "the follow-up's context: {:?}",
+        texts(&ds[1].context)
+    );
+    let stored = gw.inbox.timeline("vera", den.room_id().as_str()).unwrap();
+    let order: Vec<&str> = stored.iter().map(|l| l.line.text.as_str()).collect();
+    assert_eq!(
+        order[order.len() - 3..],
+        ["old 29", "the question", "a follow-up"],
+        "{order:?}"
+    );
 }

@@ -19,11 +19,18 @@ impl Ear {
     /// events once per process with `/messages` and puts the lines older than the stored ones in
     /// front of them. Returns those lines, to be stored with the response. A failed read leaves
     /// the context to the stored lines, with a warning.
+    ///
+    /// The read goes back from `before`, the response's `prev_batch` (where its timeline
+    /// starts): read from the room's newest event instead, it would also return what was
+    /// said after the response, and put it in front of the stored lines as if it were old. The
+    /// next response's delivery of it would then have no context, and the timeline would hold
+    /// it out of order. Without the token, the events newer than the response's are skipped.
     pub(super) async fn backfill(
         &mut self,
         room: &Room,
         room_id: &str,
         events: &[(bool, Value)],
+        before: Option<&str>,
     ) -> Vec<TimelineLine> {
         let want = self.persona.limits.context_lines;
         let have = self.timelines.get(room_id).map_or(0, VecDeque::len);
@@ -38,7 +45,10 @@ impl Ear {
         // stored ones (a gap since the last response was filled into `events`). State events
         // take room in a page too, so read on until enough lines (at most three pages).
         let mut older = Vec::new();
-        let mut from: Option<String> = None;
+        let mut from: Option<String> = before.map(str::to_owned);
+        // From the newest event, what comes before the response's own events (or a line
+        // already stored) is newer than the response.
+        let mut reached = from.is_some();
         for _ in 0..3 {
             let mut opts = MessagesOptions::backward();
             opts.from = from.take();
@@ -64,6 +74,10 @@ impl Ear {
                     .get(room_id)
                     .is_some_and(|tl| tl.iter().any(|(_, l)| l.event_id == id));
                 if fresh.contains(id) || known {
+                    reached = true;
+                    continue;
+                }
+                if !reached {
                     continue;
                 }
                 let name = self.sender_name(room, &v).await;
