@@ -242,9 +242,10 @@ pub struct TurnLoop {
     fired: Option<Instant>,
     /// Her processes started so far: which process a failed turn's text went to.
     spawns: u64,
-    /// Her session's running totals at its last result (session id, totals), so that each
-    /// record bills what the API billed since ([`TurnLoop::billed`]).
-    billed_so_far: Option<(String, Usage)>,
+    /// Her session's running totals at its last result, so that each record bills what the
+    /// API billed since ([`TurnLoop::billed`]); stored, so a restart of the gateway keeps
+    /// them for the session it resumes.
+    billed_so_far: Option<KeptTotals>,
     /// A turn the model API failed on: its id, the process that holds its text, the status.
     failed: Option<ApiFailure>,
 }
@@ -332,6 +333,8 @@ impl TurnLoop {
             (Some(k), Some(sid)) if &k.session == sid => k.ids.into_iter().collect(),
             _ => Seen::default(),
         };
+        let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
+        let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
             telemetry,
             policy: persona.session.policy(base.cache_ttl, prices),
@@ -340,7 +343,7 @@ impl TurnLoop {
             fired: None,
             spawns: 0,
             failed: None,
-            billed_so_far: None,
+            billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
             persona,
@@ -726,7 +729,10 @@ impl TurnLoop {
                 None => {
                     let sid = uuid::Uuid::new_v4().to_string();
                     // A new session has billed nothing yet.
-                    self.billed_so_far = Some((sid.clone(), Usage::default()));
+                    self.billed_so_far = Some(KeptTotals {
+                        session: sid.clone(),
+                        usage: Usage::default(),
+                    });
                     cfg.session_id = Some(sid);
                     cfg.resume = false;
                 }
@@ -1454,15 +1460,19 @@ impl TurnLoop {
     }
 
     /// What her session billed since its last result, from the running totals of `result`
-    /// (`None` when they cannot tell: another session, or none seen in this run); the totals
-    /// are kept for the next result.
+    /// (`None` when they cannot tell: another session, or none of this session's totals
+    /// known); the totals are kept for the next result, in memory and in her session values.
+    /// They are stored before the record they bill is written: a crash between the two loses
+    /// that record rather than billing it twice.
     fn billed(&mut self, result: &session::proto::ResultEvent) -> Option<Usage> {
-        let (sid, now) = (result.session_id.clone()?, result.cumulative()?);
+        let (session, usage) = (result.session_id.clone()?, result.cumulative()?);
         let since = match &self.billed_so_far {
-            Some((s, before)) if *s == sid => now.since(before),
+            Some(k) if k.session == session => usage.since(&k.usage),
             _ => None,
         };
-        self.billed_so_far = Some((sid, now));
+        let kept = KeptTotals { session, usage };
+        self.keep_learned(TOTALS, &kept);
+        self.billed_so_far = Some(kept);
         since
     }
 
@@ -1570,6 +1580,10 @@ const SUMMARIES: &str = "summaries";
 const SEEN: &str = "seen";
 /// Her reply to the turn in flight, stored before its first say (`{"turn", "output"}`).
 const REPLY: &str = "reply";
+/// Her session's running totals at its last result (a [`KeptTotals`]), so that the first
+/// result after a restart of the gateway is billed from them too (a `/compact`'s result
+/// reports no usage of its own).
+const TOTALS: &str = "billed";
 /// The ids recorded last that a restart keeps even when no timeline holds them yet (her
 /// replies of the last turn, whose echo may still be on its way).
 const SEEN_LATEST: usize = 64;
@@ -1580,6 +1594,14 @@ const SEEN_LATEST: usize = 64;
 struct KeptSeen {
     session: String,
     ids: Vec<String>,
+}
+
+/// A session's running totals (the CLI's `modelUsage`, summed over models) at its last
+/// result.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct KeptTotals {
+    session: String,
+    usage: Usage,
 }
 
 /// What the policy learned in earlier runs (`name`, JSON in her session values), or nothing

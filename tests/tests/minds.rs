@@ -6,7 +6,9 @@
 //!   waits for it, and the fresh session starts from the latest notes; the old session resumes;
 //! - the restart note is in the first request after a restart and not in the next;
 //! - a reply's extension field reaches a client once across `kill -9`, a bad one is corrected;
-//!   a waking note gets a turn of its own; a model switch survives a restart; compact shrinks.
+//!   a waking note gets a turn of its own; a model switch survives a restart; compact shrinks;
+//! - a turn refused as too long compacts first (also as the first thing after a restart of the
+//!   gateway, billed as the API billed it), then starts fresh.
 
 use std::time::{Duration, Instant};
 
@@ -828,6 +830,10 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     wait_for_reply(ann, &lobby, "one", Duration::from_secs(90)).await;
     turns_total(&dir, 1, &gw).await;
     let sid = status(&dir)["session_id"].as_str().unwrap().to_owned();
+    // The gateway restarts before the refused turn: its compaction is the first result of the
+    // resumed session in this run, billed from the running totals kept with the session.
+    assert!(gw.stop().success());
+    let gw = GatewayProcess::start(&config);
     // A line of hers from another device: context, never a delivery, first shown in the batch
     // that will be refused.
     let phone = tests::matrix::user_client(&url, "vera", "vera-pw", &dir.join("vera-phone")).await;
@@ -859,7 +865,11 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
     // The refused batch was never seen, so its new context comes again with the retry.
     let refused = mock.ledger()[from].last_user_text.clone();
     for text in [&refused, &retried] {
-        assert!(text.contains("an aside from her phone"), "{text}");
+        assert!(
+            text.contains("an aside from her phone"),
+            "{text}\nlog:\n{}",
+            gw.log()
+        );
     }
 
     // Refused again after compacting: a fresh session, given the recent lines.
@@ -896,4 +906,28 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
         ["one", "an aside from her phone", "two", "three"]
     );
     assert!(gw.stop().success());
+    // Each compaction is in her history at what its summary request was billed, the first
+    // after the restart too (it is not estimated), and her history is the whole bill.
+    let history =
+        gateway::turns::read_history(&dir.join("state/personas/vera/turns.jsonl")).unwrap();
+    let compactions: Vec<_> = history
+        .iter()
+        .filter(|r| r.kind == gateway::turns::RecordKind::Compaction)
+        .collect();
+    let ledger = mock.ledger();
+    let summaries: Vec<&LedgerEntry> = ledger.iter().filter(|e| e.is_summary()).collect();
+    assert_eq!((compactions.len(), summaries.len()), (2, 2), "{history:?}");
+    for (r, e) in compactions.iter().zip(&summaries) {
+        assert!(
+            (r.cost_usd - e.cost).abs() <= 0.01 * e.cost && r.outcome.ends_with("billed"),
+            "recorded {r:?}, billed ${}",
+            e.cost
+        );
+    }
+    let recorded: f64 = history.iter().map(|r| r.cost_usd).sum();
+    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
+    assert!(
+        (recorded - bill).abs() <= 0.01 * bill,
+        "recorded ${recorded}, billed ${bill}"
+    );
 }
