@@ -794,12 +794,26 @@ impl Inbox {
         name: &str,
         value: Option<&str>,
     ) -> Result<(), InboxError> {
+        self.set_session_values(persona, &[(name, value)])
+    }
+
+    /// Sets (or with `None` removes) several session values at once: all or none of them,
+    /// flushed once before it returns.
+    pub fn set_session_values(
+        &self,
+        persona: &str,
+        values: &[(&str, Option<&str>)],
+    ) -> Result<(), InboxError> {
         let st = self.stores()?;
-        let k = key(persona, format!("s:{name}").as_bytes());
-        match value {
-            Some(v) => st.tree.insert(k, v.as_bytes())?,
-            None => st.tree.remove(k)?,
-        };
+        let mut batch = sled::Batch::default();
+        for (name, value) in values {
+            let k = key(persona, format!("s:{name}").as_bytes());
+            match value {
+                Some(v) => batch.insert(k, v.as_bytes()),
+                None => batch.remove(k),
+            }
+        }
+        st.tree.apply_batch(batch)?;
         st.flush()?;
         Ok(())
     }

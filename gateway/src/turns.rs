@@ -321,7 +321,7 @@ impl TurnLoop {
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         // Her gaps and compaction summaries, learned in earlier runs.
-        let telemetry = Telemetry {
+        let mut telemetry = Telemetry {
             gaps: learned(&inbox, &persona.id, GAPS)?,
             summaries: learned(&inbox, &persona.id, SUMMARIES)?,
             ..Telemetry::default()
@@ -333,6 +333,17 @@ impl TurnLoop {
             (Some(k), Some(sid)) if &k.session == sid => k.ids.into_iter().collect(),
             _ => Seen::default(),
         };
+        // What the policy knew of the session it resumes: her cache is kept warm through a
+        // restart, and her next turn priced, as if the gateway had not stopped.
+        let policy_kept: Option<KeptPolicy> = learned(&inbox, &persona.id, POLICY)?;
+        if let Some(k) = policy_kept.filter(|k| Some(&k.session) == status.session_id.as_ref()) {
+            telemetry.restore(
+                &k.telemetry,
+                Instant::now(),
+                crate::ear::unix_ms(),
+                base.cache_ttl.duration(),
+            );
+        }
         let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
@@ -527,6 +538,7 @@ impl TurnLoop {
                         tracing::warn!(persona = %self.persona.id, error = %e, "keep-warm failed");
                         // Do not try again before the next turn.
                         self.telemetry.last_cache_touch = None;
+                        self.keep_session();
                     }
                 }
             }
@@ -792,6 +804,40 @@ impl TurnLoop {
         self.keep_learned(SEEN, &KeptSeen { session, ids });
     }
 
+    /// Stores, with one flush, what a restart of the gateway goes on from for the session it
+    /// resumes: what the policy knows of it (its size, when her cache was last touched, ski
+    /// rental's rent) and its running totals at its last result. Called before each record
+    /// is written: a crash between the two loses that record rather than bills it twice.
+    fn keep_session(&self) {
+        let Some(session) = self.status.session_id.clone() else {
+            return;
+        };
+        let policy = KeptPolicy {
+            session,
+            telemetry: self.telemetry.keep(Instant::now(), crate::ear::unix_ms()),
+        };
+        let stored = serde_json::to_string(&policy)
+            .and_then(|p| {
+                let totals = match &self.billed_so_far {
+                    Some(t) => Some(serde_json::to_string(t)?),
+                    None => None,
+                };
+                Ok((p, totals))
+            })
+            .map_err(|e| e.to_string())
+            .and_then(|(p, totals)| {
+                self.inbox
+                    .set_session_values(
+                        &self.persona.id,
+                        &[(POLICY, Some(&p)), (TOTALS, totals.as_deref())],
+                    )
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = stored {
+            tracing::warn!(persona = %self.persona.id, error = %e, "her session's state was not stored; a restart starts it over");
+        }
+    }
+
     /// Stores something the policy learned (JSON in her session values); a failure costs only
     /// what a restart would forget, so it is logged, not raised.
     fn keep_learned<T: Serialize>(&self, name: &str, value: &T) {
@@ -829,8 +875,8 @@ impl TurnLoop {
             }) if !result.is_error => {
                 tracing::info!(persona = %self.persona.id, why, pre = m.pre_tokens, post = m.post_tokens, "session compacted");
                 // The CLI reports no usage for `/compact`; its running totals have the summary
-                // request. Without them (no earlier result of this session in this run) it is
-                // estimated: the conversation sent uncached, the kept size as output.
+                // request. Without them (none of this session's kept) it is estimated: the
+                // conversation sent uncached, the kept size as output.
                 let (usage, how) = match self.billed(&result) {
                     Some(u) => (u, "billed"),
                     None => (
@@ -842,16 +888,16 @@ impl TurnLoop {
                         "tokens estimated",
                     ),
                 };
+                // The CLI bills a `/compact` as a local command (no usage); its boundary's
+                // post_tokens (the summary and what was kept) is what the compaction wrote.
+                self.telemetry
+                    .after_compact(m.post_tokens, m.post_tokens, last_request_at);
                 self.record_upkeep(
                     RecordKind::Compaction,
                     &usage,
                     started,
                     &format!("compacted ({why}); {how}"),
                 );
-                // The CLI bills a `/compact` as a local command (no usage); its boundary's
-                // post_tokens (the summary and what was kept) is what the compaction wrote.
-                self.telemetry
-                    .after_compact(m.post_tokens, m.post_tokens, last_request_at);
                 self.status.compactions += 1;
                 self.keep_learned(SUMMARIES, &self.telemetry.summaries);
             }
@@ -1212,6 +1258,8 @@ impl TurnLoop {
             Instant::now(),
             &self.prices,
         );
+        // Before the record: a crash between the two loses the record, not bills it twice.
+        self.keep_session();
         let (first_seq, last_seq) = span.unwrap_or_default();
         let record = TurnRecord {
             first_seq,
@@ -1461,18 +1509,15 @@ impl TurnLoop {
 
     /// What her session billed since its last result, from the running totals of `result`
     /// (`None` when they cannot tell: another session, or none of this session's totals
-    /// known); the totals are kept for the next result, in memory and in her session values.
-    /// They are stored before the record they bill is written: a crash between the two loses
-    /// that record rather than billing it twice.
+    /// known); the totals are kept for the next result (and stored by
+    /// [`TurnLoop::keep_session`] before its record is written).
     fn billed(&mut self, result: &session::proto::ResultEvent) -> Option<Usage> {
         let (session, usage) = (result.session_id.clone()?, result.cumulative()?);
         let since = match &self.billed_so_far {
             Some(k) if k.session == session => usage.since(&k.usage),
             _ => None,
         };
-        let kept = KeptTotals { session, usage };
-        self.keep_learned(TOTALS, &kept);
-        self.billed_so_far = Some(kept);
+        self.billed_so_far = Some(KeptTotals { session, usage });
         since
     }
 
@@ -1480,6 +1525,7 @@ impl TurnLoop {
     /// in her history, her status file's upkeep and the cost metrics, so that what she is
     /// reported to cost is what the model API billed.
     fn record_upkeep(&mut self, kind: RecordKind, usage: &Usage, started: Instant, outcome: &str) {
+        self.keep_session();
         let record = self.record(kind, usage, usage, started, outcome.to_owned());
         crate::metrics::global().usage(&self.persona.id, usage, record.cost_usd);
         self.append_to_history(&record);
@@ -1580,6 +1626,8 @@ const SUMMARIES: &str = "summaries";
 const SEEN: &str = "seen";
 /// Her reply to the turn in flight, stored before its first say (`{"turn", "output"}`).
 const REPLY: &str = "reply";
+/// What the policy knows of her session between turns (a [`KeptPolicy`]).
+const POLICY: &str = "policy";
 /// Her session's running totals at its last result (a [`KeptTotals`]), so that the first
 /// result after a restart of the gateway is billed from them too (a `/compact`'s result
 /// reports no usage of its own).
@@ -1594,6 +1642,13 @@ const SEEN_LATEST: usize = 64;
 struct KeptSeen {
     session: String,
     ids: Vec<String>,
+}
+
+/// What the policy knew of a session between its turns, stored with the session it is of.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct KeptPolicy {
+    session: String,
+    telemetry: session::policy::KeptTelemetry,
 }
 
 /// A session's running totals (the CLI's `modelUsage`, summed over models) at its last

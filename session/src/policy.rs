@@ -36,7 +36,9 @@ use std::time::{Duration, Instant};
 use crate::cost::{Prices, Ttl};
 
 pub mod gaps;
+pub mod kept;
 pub use gaps::GapModel;
+pub use kept::KeptTelemetry;
 
 /// Policy constants.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,7 +10,8 @@
 //! - each turn's record prices a fresh start with the lines her rooms would send again;
 //! - a reply whose send failed is sent as she gave it, once, without asking her again;
 //! - a compaction and a keep-warm refresh are in her history at what the mock billed, and a
-//!   refresh keeps her cache through a silence longer than the 5-minute TTL (real time).
+//!   refresh keeps her cache through a silence longer than the 5-minute TTL (real time), with
+//!   a restart of the gateway in the silence.
 
 use std::time::{Duration, Instant};
 
@@ -981,7 +982,8 @@ async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it
 }
 
 /// Keep-warm with the 5-minute TTL, through the binary in real time (about six minutes): after
-/// her turn the policy refreshes her cache just before it expires; the refresh reads her
+/// her turn the gateway restarts, and the policy, which kept what it knew of her session,
+/// refreshes her cache just before it expires; the refresh reads her
 /// conversation from cache and is in her history at what the mock billed for it; her next turn,
 /// after the five minutes, still reads the conversation instead of writing it again; and all
 /// her records together cost what the mock billed.
@@ -1018,9 +1020,18 @@ async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
         .rposition(|e| e.status == 200 && e.last_user_text.contains("hello vera"))
         .expect("her first turn billed");
     let first_prompt = ledger[first].usage.prompt_tokens();
+    // The gateway restarts in her silence (once her turn is recorded): what the policy knew
+    // of her session is kept, so the refresh still comes.
+    let history = dir.join("state/personas/vera/turns.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while read_history(&history).unwrap_or_default().is_empty() {
+        assert!(Instant::now() < deadline, "her turn was never recorded");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(gw.stop().code(), Some(0));
+    let gw = GatewayProcess::start(&config);
 
     // The refresh, when the entry her turn wrote is about to expire.
-    let history = dir.join("state/personas/vera/turns.jsonl");
     let refreshes = loop {
         let h = read_history(&history).unwrap_or_default();
         let r: Vec<_> = h

@@ -445,6 +445,10 @@ fn session_values_are_set_removed_and_kept_apart_from_the_inbox() {
             .unwrap();
         assert_eq!(inbox.sync_token("p").unwrap(), None);
         inbox.set_session_value("q", "session_id", None).unwrap();
+        // Several at once: one set, one removed.
+        inbox
+            .set_session_values("p", &[("policy", Some("{}")), ("token", None)])
+            .unwrap();
     }
     let inbox = Inbox::open(&dir).unwrap();
     assert_eq!(
@@ -452,6 +456,11 @@ fn session_values_are_set_removed_and_kept_apart_from_the_inbox() {
         Some("abc")
     );
     assert_eq!(inbox.session_value("q", "session_id").unwrap(), None);
+    assert_eq!(
+        inbox.session_value("p", "policy").unwrap().as_deref(),
+        Some("{}")
+    );
+    assert_eq!(inbox.session_value("p", "token").unwrap(), None);
 }
 
 #[test]
