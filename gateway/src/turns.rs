@@ -344,6 +344,8 @@ impl TurnLoop {
                 base.cache_ttl.duration(),
             );
         }
+        // A correction not shown yet when the gateway stopped.
+        let note = inbox.session_value(&persona.id, CORRECTION)?;
         let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
@@ -368,7 +370,7 @@ impl TurnLoop {
             schema: Arc::new(schema),
             cli: None,
             seen,
-            note: None,
+            note,
             history_lines: None,
             restarted,
             status,
@@ -784,13 +786,11 @@ impl TurnLoop {
         }
     }
 
-    /// Stores what her session has seen that can still be shown to her (`lines`: her rooms'
-    /// timelines), so that after a restart of the gateway the resumed session is not shown it
-    /// again.
-    fn keep_seen(&self, lines: &[(String, Vec<wire::docs::ContextLine>)]) {
-        let Some(session) = self.status.session_id.clone() else {
-            return;
-        };
+    /// What her session has seen that can still be shown to her (`lines`: her rooms'
+    /// timelines), as stored with her turn so that after a restart of the gateway the resumed
+    /// session is not shown it again (JSON; `None` without a session).
+    fn seen_to_keep(&self, lines: &[(String, Vec<wire::docs::ContextLine>)]) -> Option<String> {
+        let session = self.status.session_id.clone()?;
         let shown: std::collections::HashSet<&str> = lines
             .iter()
             .flat_map(|(_, ls)| ls.iter().map(|l| l.event_id.as_str()))
@@ -801,7 +801,7 @@ impl TurnLoop {
             .into_iter()
             .map(str::to_owned)
             .collect();
-        self.keep_learned(SEEN, &KeptSeen { session, ids });
+        serde_json::to_string(&KeptSeen { session, ids }).ok()
     }
 
     /// Stores, with one flush, what a restart of the gateway goes on from for the session it
@@ -1366,6 +1366,17 @@ impl TurnLoop {
         };
         let shown: Vec<u64> = stored.iter().map(|n| n.seq).collect();
         let acked = batch.last().map(|d| d.seq);
+        // With the turn: what her session has seen, the correction her next batch carries
+        // (both outlive a restart), and her stored reply gone (a stale one could not match a
+        // later turn, seqs are not reused, but it has no use left).
+        let seen = self.seen_to_keep(lines);
+        let mut values = vec![(CORRECTION, self.note.as_deref())];
+        if seen.is_some() {
+            values.push((SEEN, seen.as_deref()));
+        }
+        if kept {
+            values.push((REPLY, None));
+        }
         self.inbox.commit_turn(
             &id,
             &TurnCommit {
@@ -1374,15 +1385,10 @@ impl TurnLoop {
                 turn_id,
                 extensions: &extensions,
                 at_ms: crate::ear::unix_ms(),
+                values: &values,
             },
         )?;
-        if kept {
-            // Committed: a stale reply could not match a later turn (seqs are not reused),
-            // but it has no use left.
-            self.inbox.set_session_value(&id, REPLY, None)?;
-        }
         self.restarted = None;
-        self.keep_seen(lines);
         // She can take turns again.
         self.set_error(None);
         if acked.is_some() {
@@ -1626,6 +1632,8 @@ const SUMMARIES: &str = "summaries";
 const SEEN: &str = "seen";
 /// Her reply to the turn in flight, stored before its first say (`{"turn", "output"}`).
 const REPLY: &str = "reply";
+/// The correction her next batch carries after a reply that could not be sent (its text).
+const CORRECTION: &str = "correction";
 /// What the policy knows of her session between turns (a [`KeptPolicy`]).
 const POLICY: &str = "policy";
 /// Her session's running totals at its last result (a [`KeptTotals`]), so that the first

@@ -8,7 +8,9 @@
 //! - a reply's extension field reaches a client once across `kill -9`, a bad one is corrected;
 //!   a waking note gets a turn of its own; a model switch survives a restart; compact shrinks;
 //! - a turn refused as too long compacts first (also as the first thing after a restart of the
-//!   gateway, billed as the API billed it), then starts fresh.
+//!   gateway, billed as the API billed it), then starts fresh;
+//! - a reply naming a room not hers sends nothing, and her next batch carries the correction,
+//!   across a restart of the gateway.
 
 use std::time::{Duration, Instant};
 
@@ -930,4 +932,57 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
         (recorded - bill).abs() <= 0.01 * bill,
         "recorded ${recorded}, billed ${bill}"
     );
+}
+
+/// A reply naming a room that is not hers sends nothing, and her next batch tells her so, also
+/// when the gateway restarted in between (the correction is stored with the turn); the batch
+/// after that no longer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_restart() {
+    let scene = Scene::new("minds-correct", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mc-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#mc-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+    mock.script(json!({"say": [{"room": "!elsewhere:localhost", "text": "lost words"}]}));
+    lobby.send(chat("where do you answer?")).await.unwrap();
+    turns_total(&dir, 1, &gw).await;
+    let turn = &status(&dir)["turns"][0];
+    assert_eq!(turn["says"], 0, "{turn}");
+    assert!(
+        turn["outcome"]
+            .as_str()
+            .is_some_and(|o| o.contains("!elsewhere:localhost")),
+        "{turn}"
+    );
+    assert!(gw.stop().success());
+
+    let gw = GatewayProcess::start(&config);
+    let correction = "[correction] your last reply was not sent: \"!elsewhere:localhost\" is not one of your rooms";
+    for (i, text) in ["here, then", "and again"].into_iter().enumerate() {
+        let from = mock.ledger().len();
+        mock.script(json!({"say": [{"room": room, "text": text}]}));
+        lobby.send(chat(&format!("message {i}"))).await.unwrap();
+        wait_for_reply(ann, &lobby, text, Duration::from_secs(90)).await;
+        let asked = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+        assert_eq!(
+            asked.last_user_text.contains(correction),
+            i == 0,
+            "batch {i}: {}",
+            asked.last_user_text
+        );
+    }
+    assert_eq!(from_vera(ann, &lobby).await, ["here, then", "and again"]);
+    assert!(gw.stop().success());
 }

@@ -6,9 +6,11 @@
 //! - `m` persona, `ext_next` / `ext_acked` -> the next seq and the ack watermark
 //!
 //! [`Inbox::commit_turn`] writes, in ONE flushed sled batch, the ack of the turn's deliveries,
-//! the removal of the notes it showed and its extension fields: a turn either happened in the
-//! store (mail acked, notes shown, extensions waiting for a client) or not at all, so a crash
-//! between the reply and the commit retries the whole turn, and its fields are stored once.
+//! the removal of the notes it showed, its extension fields and the session values that go
+//! with it (what her session has seen, a correction for her next batch): a turn either
+//! happened in the store (mail acked, notes shown, extensions waiting for a client) or not at
+//! all, so a crash between the reply and the commit retries the whole turn, and its fields
+//! are stored once.
 
 use wire::docs::ReplyExtension;
 
@@ -34,6 +36,9 @@ pub struct TurnCommit<'a> {
     pub extensions: &'a [(String, serde_json::Value)],
     /// When it ended (ms since the epoch; kept as the session value `last_turn_ms`).
     pub at_ms: i64,
+    /// Session values set (or with `None` removed) with the turn, as
+    /// [`Inbox::set_session_values`] would.
+    pub values: &'a [(&'a str, Option<&'a str>)],
 }
 
 /// A page of the outbox.
@@ -123,6 +128,13 @@ impl Inbox {
             key(persona, b"s:last_turn_ms"),
             t.at_ms.to_string().as_bytes(),
         );
+        for (name, value) in t.values {
+            let k = key(persona, format!("s:{name}").as_bytes());
+            match value {
+                Some(v) => ops.insert(k, v.as_bytes()),
+                None => ops.remove(k),
+            }
+        }
         st.tree.apply_batch(ops)?;
         st.flush()?;
         Ok(counts)

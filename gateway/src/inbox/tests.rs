@@ -759,10 +759,15 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
             turn_id: "turn:mira:1-9",
             extensions: &fields,
             at_ms: 5,
+            values: &[("correction", Some("not this"))],
         },
     );
     assert!(matches!(bad, Err(InboxError::AckBeyondHighest { .. })));
     assert_eq!(inbox.pending_notes("mira").unwrap().len(), 1);
+    assert_eq!(inbox.session_value("mira", "correction").unwrap(), None);
+    inbox
+        .set_session_value("mira", "reply", Some("{}"))
+        .unwrap();
     assert_eq!(
         inbox
             .pending_extensions("mira", 0, 10)
@@ -780,6 +785,8 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
                 turn_id: "turn:mira:1-2",
                 extensions: &fields,
                 at_ms: 6,
+                // Session values go with the turn: one set, one removed.
+                values: &[("correction", Some("fix it")), ("reply", None)],
             },
         )
         .unwrap();
@@ -795,6 +802,14 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
     drop(inbox);
 
     let inbox = Inbox::open(&path).unwrap();
+    assert_eq!(
+        inbox
+            .session_value("mira", "correction")
+            .unwrap()
+            .as_deref(),
+        Some("fix it")
+    );
+    assert_eq!(inbox.session_value("mira", "reply").unwrap(), None);
     let page = inbox.pending_extensions("mira", 0, 1).unwrap();
     assert_eq!(page.extensions.len(), 1);
     assert_eq!(page.extensions[0].field, "start_self_run");
