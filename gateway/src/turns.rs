@@ -11,6 +11,9 @@
 //!   current system prompt when the file changed). A resume the CLI cannot do starts fresh.
 //! - A crashed or hung CLI is respawned (resumed) and the batch retried, up to
 //!   [`ATTEMPTS`] times per round; then the round fails and is retried later with backoff.
+//!   A turn the model API failed on ended with a result, so its text is in her session's
+//!   transcript: its retry in that session (whichever process, after a restart too) is a
+//!   `[retry]` note alone, not the batch again.
 //! - A reply naming a room that is not hers, or no structured reply, sends nothing; the next
 //!   batch carries a correction note. A prompt-too-long or blocking-limit refusal starts a
 //!   fresh session (generation + 1) and retries the batch there.
@@ -240,8 +243,6 @@ pub struct TurnLoop {
     prices: Prices,
     prompt_tokens: u64,
     fired: Option<Instant>,
-    /// Her processes started so far: which process a failed turn's text went to.
-    spawns: u64,
     /// Her session's running totals at its last result, so that each record bills what the
     /// API billed since ([`TurnLoop::billed`]); stored, so a restart of the gateway keeps
     /// them for the session it resumes.
@@ -250,13 +251,17 @@ pub struct TurnLoop {
     failed: Option<ApiFailure>,
 }
 
-/// A turn the model API failed on after the CLI's own retries. The CLI keeps a failed turn's
-/// text in its conversation (and merges it with the next message), so while that process
-/// lives, the retry must not send the batch again: she would see it twice.
-#[derive(Debug)]
+/// A turn the model API failed on after the CLI's own retries (or interrupted past its
+/// timeout). The CLI writes a turn that ended with a result, failed or not, into her session's
+/// transcript, so every process that resumes the session holds its text (merged with the next
+/// message): the retry must not send the batch again, she would see it twice. A process killed
+/// before the result leaves no trace of the attempt, so without this marker the batch is sent
+/// whole. Stored (session value `failed`), so a restart of the gateway keeps it.
+#[derive(Debug, Serialize, serde::Deserialize)]
 struct ApiFailure {
     turn_id: String,
-    spawn: u64,
+    /// The session whose transcript holds the failed attempt.
+    session: String,
     status: Option<u16>,
 }
 
@@ -344,8 +349,9 @@ impl TurnLoop {
                 base.cache_ttl.duration(),
             );
         }
-        // A correction not shown yet when the gateway stopped.
+        // A correction not shown yet when the gateway stopped, and a failed turn not retried.
         let note = inbox.session_value(&persona.id, CORRECTION)?;
+        let failed: Option<ApiFailure> = learned(&inbox, &persona.id, FAILED)?;
         let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
@@ -354,8 +360,7 @@ impl TurnLoop {
             prices,
             prompt_tokens,
             fired: None,
-            spawns: 0,
-            failed: None,
+            failed,
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -752,7 +757,6 @@ impl TurnLoop {
                 }
             }
             tracing::info!(persona = %id, session = ?cfg.session_id, resume = cfg.resume, "starting the claude CLI");
-            self.spawns += 1;
             self.cli = Some(Cli::spawn(cfg).await?);
         }
         self.cli
@@ -775,7 +779,28 @@ impl TurnLoop {
         )?;
         self.status.session_id = None;
         self.telemetry.after_fresh_start();
+        // The new session holds no failed attempt.
+        self.set_failed(None);
         Ok(())
+    }
+
+    /// Sets (and stores) the turn the model API failed on; a failure to store only means a
+    /// restart of the gateway would send its batch again.
+    fn set_failed(&mut self, failed: Option<ApiFailure>) {
+        let stored = failed
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| e.to_string())
+            .and_then(|v| {
+                self.inbox
+                    .set_session_value(&self.persona.id, FAILED, v.as_deref())
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = stored {
+            tracing::warn!(persona = %self.persona.id, error = %e, "the failed turn was not stored");
+        }
+        self.failed = failed;
     }
 
     /// Books the gap since her last turn for predictive keep-warm, and stores her gaps so a
@@ -861,7 +886,7 @@ impl TurnLoop {
     async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
         let started = Instant::now();
         // A failed turn's text is summarized with the rest: its retry sends the batch again.
-        self.failed = None;
+        self.set_failed(None);
         let done = match self.ensure_cli().await {
             Ok(cli) => cli.compact().await,
             Err(e) => Err(e),
@@ -1169,9 +1194,16 @@ impl TurnLoop {
         }
         // What the session had seen before this batch: if it refuses the batch, it saw none of it.
         let seen_before = self.seen.clone();
-        // A retry in the process that holds the failed attempt's text says only that.
+        // A retry in the session that holds the failed attempt's text says only that: the
+        // process that runs it (the live one, else the stored session resumed) holds it too.
+        let next_session = self
+            .cli
+            .as_ref()
+            .and_then(Cli::session_id)
+            .or(self.status.session_id.as_deref())
+            .map(str::to_owned);
         let text = match self.failed.take() {
-            Some(f) if f.turn_id == turn_id && f.spawn == self.spawns && self.cli.is_some() => {
+            Some(f) if f.turn_id == turn_id && Some(&f.session) == next_session.as_ref() => {
                 tracing::info!(status = ?f.status, "retrying the turn the model API failed on; its batch is in her conversation");
                 let status = f
                     .status
@@ -1183,7 +1215,13 @@ impl TurnLoop {
                          answered yet: answer it now (it is not repeated)"
                     ),
                 );
-                render::render(&[], &mut self.seen, &[note])
+                let mut notes: Vec<Note> = self
+                    .restarted
+                    .map(|what| self.restart_note(what))
+                    .into_iter()
+                    .collect();
+                notes.push(note);
+                render::render(&[], &mut self.seen, &notes)
             }
             _ => self.compose(batch, &stored),
         };
@@ -1210,11 +1248,13 @@ impl TurnLoop {
             return Err(match res.api_error_status {
                 Some(401) => TurnError::Unauthorized,
                 other => {
-                    self.failed = Some(ApiFailure {
+                    // Its text is in the transcript of the session it ran in.
+                    let failed = res.session_id.clone().map(|session| ApiFailure {
                         turn_id,
-                        spawn: self.spawns,
+                        session,
                         status: other,
                     });
+                    self.set_failed(failed);
                     TurnError::Api(other)
                 }
             });
@@ -1370,7 +1410,7 @@ impl TurnLoop {
         // (both outlive a restart), and her stored reply gone (a stale one could not match a
         // later turn, seqs are not reused, but it has no use left).
         let seen = self.seen_to_keep(lines);
-        let mut values = vec![(CORRECTION, self.note.as_deref())];
+        let mut values = vec![(CORRECTION, self.note.as_deref()), (FAILED, None)];
         if seen.is_some() {
             values.push((SEEN, seen.as_deref()));
         }
@@ -1634,6 +1674,8 @@ const SEEN: &str = "seen";
 const REPLY: &str = "reply";
 /// The correction her next batch carries after a reply that could not be sent (its text).
 const CORRECTION: &str = "correction";
+/// The turn the model API failed on (an [`ApiFailure`]), until a turn is committed.
+const FAILED: &str = "failed";
 /// What the policy knows of her session between turns (a [`KeptPolicy`]).
 const POLICY: &str = "policy";
 /// Her session's running totals at its last result (a [`KeptTotals`]), so that the first

@@ -3,7 +3,8 @@
 //! - an operator's encrypted DM is answered by her live session, exactly once, also when the
 //!   CLI is killed with `kill -9` mid-turn; after a restart of the gateway the resumed session
 //!   is not shown again the lines it holds; a batch the model API failed on is not sent again
-//!   to the process whose conversation holds it; a turn of two requests (a reply bounced by
+//!   to her session, whose transcript holds it, also by a gateway restarted before the retry;
+//!   a turn of two requests (a reply bounced by
 //!   the schema) is recorded at what both billed, its prefix the last one's prompt;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order.
@@ -100,9 +101,10 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         .unwrap();
 
     // After a gateway restart the same session continues (the old history is the prefix the
-    // mock sees), and an overloaded API (the CLI's own retries exhausted) is retried later.
+    // mock sees), and an overloaded API (the CLI's own retries exhausted: three requests a
+    // turn) is retried later, also by the next gateway when it is restarted in between.
     let gw = GatewayProcess::start(&config);
-    for _ in 0..3 {
+    for _ in 0..6 {
         mock.inject(Fault::Overloaded);
     }
     mock.script(serde_json::json!({"say": [{"room": room, "text": "third answer"}]}));
@@ -112,6 +114,24 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     ))
     .await
     .unwrap();
+    // Her turn failed (it is in her status); the gateway restarts before its retry went
+    // through (the next three requests fail too, whichever gateway makes them).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read(dir.join("state/personas/vera/status.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|s| s["last_error"].as_str().map(|e| e.contains("API error")))
+        .unwrap_or(false)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "her turn never failed; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(gw.stop().code(), Some(0));
+    let gw = GatewayProcess::start(&config);
     let got = wait_for_reply(ann, &dm, "third answer", Duration::from_secs(90)).await;
     assert_eq!(
         got,
@@ -122,7 +142,7 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     let after: Vec<_> = mock.ledger()[from..].to_vec();
     assert_eq!(
         after.iter().filter(|e| e.status == 529).count(),
-        3,
+        6,
         "{after:?}"
     );
     let resumed = after.iter().find(|e| e.status == 200).unwrap();
@@ -146,8 +166,8 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
             "{held:?} shown again after the restart:\n{first}"
         );
     }
-    // The CLI keeps the failed attempt's text in her conversation: the retry in the same
-    // process says so and does not repeat the batch.
+    // The CLI keeps the failed attempt's text in her session's transcript: the retry, by the
+    // restarted gateway in a new process, says so and does not repeat the batch.
     assert_eq!(
         resumed
             .user_text
@@ -160,7 +180,10 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     assert!(
         resumed
             .last_user_text
-            .contains("[retry] the model API failed (HTTP 529)"),
+            .contains("[retry] the model API failed (HTTP 529)")
+            && resumed
+                .last_user_text
+                .contains("[restart] the gateway was restarted"),
         "{}",
         resumed.last_user_text
     );

@@ -481,3 +481,55 @@ async fn a_turns_cache_touch_is_when_its_last_request_began() {
     }
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+/// What the gateway's retry of a failed turn relies on: a turn that ended with a result, an
+/// API error's too, is in the session's transcript, so a new process resuming the session sends
+/// its text again (the retry must not repeat it); a turn whose process was killed before its
+/// result is not (the retry must send it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_turn_outlives_its_process_and_a_killed_one_does_not() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let scratch = tests::ScratchDir::new("failed-kept");
+    let dir = scratch.path().to_path_buf();
+    let mut cfg = config(&mock, &dir);
+    cfg.session_id = Some(new_session_id());
+    let mut cli = Cli::spawn(cfg.clone()).await.expect("CLI ready");
+    cli.turn("first message ALPHA").await.unwrap();
+    // One retry allowed: two 529s end the turn with an API error.
+    mock.inject(Fault::Overloaded);
+    mock.inject(Fault::Overloaded);
+    let failed = cli.turn("second message BRAVO").await.unwrap();
+    assert_eq!(
+        failed.result.outcome(),
+        Outcome::ApiError,
+        "{:?}",
+        failed.result
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+    // A killed turn: its request reached the API, its answer never came back.
+    let resumed = CliConfig {
+        resume: true,
+        ..cfg.clone()
+    };
+    let mut cli = Cli::spawn(resumed.clone()).await.expect("CLI ready");
+    mock.inject(Fault::Delay(Duration::from_secs(10)));
+    let before = mock.ledger().len();
+    let pid = cli.pid().expect("pid");
+    let killed = tokio::spawn(async move {
+        let _ = cli.turn("third message CHARLIE").await;
+    });
+    while mock.ledger().len() == before {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status();
+    let _ = killed.await;
+    let mut cli = Cli::spawn(resumed).await.expect("CLI ready");
+    let next = cli.turn("fourth message DELTA").await.unwrap();
+    assert!(!next.result.is_error, "{:?}", next.result);
+    let sent = mock.ledger().last().cloned().unwrap().user_text;
+    assert_eq!(sent.matches("BRAVO").count(), 1, "{sent}");
+    assert_eq!(sent.matches("CHARLIE").count(), 0, "{sent}");
+    cli.shutdown(Duration::from_secs(5)).await;
+}
