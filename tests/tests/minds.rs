@@ -808,23 +808,39 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     assert!(gw.stop().success());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
-    let scene = Scene::new("minds-overflow", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "mo-lobby").await;
-    let room = lobby.room_id().to_string();
+/// Vera live (a small doctrine, a fresh mock) in a public room `alias` that ann made: the
+/// scene, the room, the mock, her config and the gateway, started.
+async fn live_in_lobby(
+    name: &str,
+    alias: &str,
+) -> (
+    Scene,
+    matrix_sdk::Room,
+    MockApi,
+    std::path::PathBuf,
+    GatewayProcess,
+) {
+    let scene = Scene::new(name, Limits::Relaxed).await;
+    let lobby = public_room(&scene.ann, alias).await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
+    let (session, _) = live_section(&scene.dir, &mock, 800, "");
     let config = write_config(
-        &dir,
-        &url,
+        &scene.dir,
+        &scene.url,
         &scene.vera_token,
-        &["#mo-lobby:localhost"],
+        &[&format!("#{alias}:localhost")],
         &[],
         &session,
     );
     let gw = GatewayProcess::start(&config);
+    (scene, lobby, mock, config, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
+    let (scene, lobby, mock, config, gw) = live_in_lobby("minds-overflow", "mo-lobby").await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let room = lobby.room_id().to_string();
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
     let say = |text: &str| json!({"say": [{"room": room, "text": text}]});
     mock.script(say("one"));
@@ -939,21 +955,9 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
 /// after that no longer does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_restart() {
-    let scene = Scene::new("minds-correct", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "mc-lobby").await;
+    let (scene, lobby, mock, config, gw) = live_in_lobby("minds-correct", "mc-lobby").await;
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
     let room = lobby.room_id().to_string();
-    let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#mc-lobby:localhost"],
-        &[],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
     mock.script(json!({"say": [{"room": "!elsewhere:localhost", "text": "lost words"}]}));
     lobby.send(chat("where do you answer?")).await.unwrap();
