@@ -247,7 +247,8 @@ pub struct TurnLoop {
     /// API billed since ([`TurnLoop::billed`]); stored, so a restart of the gateway keeps
     /// them for the session it resumes.
     billed_so_far: Option<KeptTotals>,
-    /// A turn the model API failed on: its id, the process that holds its text, the status.
+    /// A turn the model API failed on: its id, the session whose transcript holds its text,
+    /// the status.
     failed: Option<ApiFailure>,
 }
 
