@@ -281,5 +281,34 @@ pub fn context_for<'a>(
     out
 }
 
+/// Which events of a room's history, read newest first, are older than the lines the ear
+/// holds (the stored timeline and the sync response's events): a read back from the
+/// response's start (`prev_batch`) returns only such events, bar those held; a read from the
+/// room's newest event first returns what was said after the response, up to the first event
+/// held.
+#[derive(Debug, Clone, Copy)]
+pub struct OlderThanHeld {
+    reached: bool,
+}
+
+impl OlderThanHeld {
+    /// For a read that starts at the response's start (`true`) or at the room's newest event.
+    pub fn new(from_response_start: bool) -> Self {
+        Self {
+            reached: from_response_start,
+        }
+    }
+
+    /// Whether the next event of the read (`held`: the ear holds it already) is an older line
+    /// to take.
+    pub fn take(&mut self, held: bool) -> bool {
+        if held {
+            self.reached = true;
+            return false;
+        }
+        self.reached
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -46,9 +46,7 @@ impl Ear {
         // take room in a page too, so read on until enough lines (at most three pages).
         let mut older = Vec::new();
         let mut from: Option<String> = before.map(str::to_owned);
-        // From the newest event, what comes before the response's own events (or a line
-        // already stored) is newer than the response.
-        let mut reached = from.is_some();
+        let mut older_than_held = event::OlderThanHeld::new(from.is_some());
         for _ in 0..3 {
             let mut opts = MessagesOptions::backward();
             opts.from = from.take();
@@ -73,11 +71,7 @@ impl Ear {
                     .timelines
                     .get(room_id)
                     .is_some_and(|tl| tl.iter().any(|(_, l)| l.event_id == id));
-                if fresh.contains(id) || known {
-                    reached = true;
-                    continue;
-                }
-                if !reached {
+                if !older_than_held.take(fresh.contains(id) || known) {
                     continue;
                 }
                 let name = self.sender_name(room, &v).await;

@@ -188,3 +188,25 @@ fn her_join_is_told_from_a_profile_change() {
     leave["content"]["membership"] = json!("leave");
     assert!(!is_own_join(&leave, &me()));
 }
+
+#[test]
+fn a_history_read_takes_only_what_is_older_than_the_lines_held() {
+    // Newest first; true where the ear holds the event already.
+    let take = |from_start: bool, held: &[bool]| -> Vec<bool> {
+        let mut o = OlderThanHeld::new(from_start);
+        held.iter().map(|h| o.take(*h)).collect()
+    };
+    // Back from the response's start: every event not held is older.
+    assert_eq!(
+        take(true, &[false, true, false, false]),
+        [true, false, true, true]
+    );
+    // Back from the room's newest event: what comes before the first held event was said
+    // after the response, and is not taken.
+    assert_eq!(
+        take(false, &[false, false, true, true, false, false]),
+        [false, false, false, false, true, true]
+    );
+    // Nothing held in the read at all: nothing is known to be older.
+    assert_eq!(take(false, &[false, false]), [false, false]);
+}
