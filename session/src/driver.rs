@@ -235,8 +235,40 @@ fn command_with(cfg: &CliConfig, compaction: Compaction) -> Result<Command, Driv
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true);
+    die_with_parent(&mut cmd);
     Ok(cmd)
 }
+
+/// Makes the child die with the process that spawns it, however that one ends. `kill_on_drop`
+/// covers every end but `kill -9` (or a crash): then a claude process lived on, finished its
+/// turn, wrote it into her session's transcript and stayed, so the restarted gateway's retry
+/// of the same batch showed it to her twice (and two processes held one transcript).
+///
+/// Linux's parent-death signal is sent when the thread that spawned the child exits; the
+/// gateway spawns from its runtime's worker threads, which live as long as the process.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec; it only makes two
+    // async-signal-safe system calls and builds an error without allocating.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent died before the signal was asked for: nothing would send it now.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Elsewhere only `kill_on_drop` holds.
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_cmd: &mut Command) {}
 
 /// Keep-warm: one forked, unpersisted request on `session_id` (`--resume <id> --fork-session
 /// --no-session-persistence`). It repeats the session's history byte for byte, so it reads and

@@ -8,10 +8,12 @@
 //!   its fixed header, context sent once, the reply schema and its validation, say request ids.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
-//! Still to come (issue 4): the process driver (spawn, readiness, turn timeout, interrupt and
-//! kill), session identity and resume, telemetry storage, the mock Messages API, the rebuild
-//! baseline and the gateway wiring.
-#![forbid(unsafe_code)]
+//! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
+//! interrupt and kill, `/compact`, the keep-warm fork), which dies with the gateway.
+//!
+//! No unsafe code but one audited block: the driver asks Linux to kill the child when the
+//! gateway dies (`driver::die_with_parent`), which takes a `pre_exec` hook.
+#![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod cost;

@@ -7,7 +7,8 @@
 //!   a turn of two requests (a reply bounced by
 //!   the schema) is recorded at what both billed, its prefix the last one's prompt;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
-//!   every message delivered exactly once, with contiguous seqs in send order.
+//!   every message delivered exactly once, with contiguous seqs in send order; `kill -9` of
+//!   the gateway mid-turn takes her claude process with it, and she sees the batch once.
 //! - each turn's record prices a fresh start with the lines her rooms would send again;
 //! - a reply whose send failed is sent as she gave it, once, without asking her again;
 //! - a compaction and a keep-warm refresh are in her history at what the mock billed, and a
@@ -271,6 +272,91 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         "her turn recorded ${}, billed ${billed} (its last request ${})",
         last.cost_usd,
         asked[1].cost
+    );
+}
+
+/// Her claude processes, found by her doctrine's path on their command line.
+fn claude_pids(prompt: &std::path::Path) -> String {
+    let out = std::process::Command::new("pgrep")
+        .args(["-f", &prompt.display().to_string()])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// `kill -9` of the gateway mid-turn takes her claude process with it: left alive, it finished
+/// the turn into her session's transcript, so the restarted gateway's retry showed her the
+/// batch twice (and two processes held one transcript). She answers once, having seen the
+/// batch once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
+    let scene = Scene::new("run-orphan", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, prompt) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let dm = open_dm(ann, &gw).await;
+    let room = dm.room_id().to_string();
+    let say = |text: &str| serde_json::json!({"say": [{"room": room, "text": text}]});
+    mock.script(say("hello ann"));
+    dm.send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &dm, "hello ann", Duration::from_secs(90)).await;
+
+    // Her next turn's request reaches the API, whose answer takes 4 s; the gateway dies.
+    mock.inject(Fault::Delay(Duration::from_secs(4)));
+    mock.script(say("second answer"));
+    mock.script(say("second answer"));
+    let before = mock.ledger().len();
+    dm.send(RoomMessageEventContent::text_plain("are you there?"))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mock.ledger().len() == before {
+        assert!(Instant::now() < deadline, "the turn never reached the API");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!claude_pids(&prompt).is_empty(), "no claude process found");
+    gw.kill9();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !claude_pids(&prompt).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "her claude process outlived the gateway: {}",
+            claude_pids(&prompt)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past the answer the killed process would have had.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let from = mock.ledger().len();
+    let gw = GatewayProcess::start(&config);
+    let got = wait_for_reply(ann, &dm, "second answer", Duration::from_secs(90)).await;
+    assert_eq!(got, ["hello ann", "second answer"], "log:\n{}", gw.log());
+    let retried = mock.ledger()[from..]
+        .iter()
+        .find(|e| e.status == 200)
+        .cloned()
+        .expect("the retried turn billed");
+    assert_eq!(
+        retried.user_text.matches("are you there?").count(),
+        1,
+        "she was shown the batch twice:\n{}",
+        retried.user_text
+    );
+    assert_eq!(gw.stop().code(), Some(0));
+    assert!(
+        claude_pids(&prompt).is_empty(),
+        "a claude process outlived a clean stop"
     );
 }
 
