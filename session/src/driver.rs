@@ -244,8 +244,11 @@ fn command_with(cfg: &CliConfig, compaction: Compaction) -> Result<Command, Driv
 /// turn, wrote it into her session's transcript and stayed, so the restarted gateway's retry
 /// of the same batch showed it to her twice (and two processes held one transcript).
 ///
-/// Linux's parent-death signal is sent when the thread that spawned the child exits; the
-/// gateway spawns from its runtime's worker threads, which live as long as the process.
+/// Linux sends the parent-death signal when the *thread* that spawned the child exits, and a
+/// tokio thread may exit long before the process (`block_in_place`, which the inbox's flushes
+/// use, hands a worker's thread to the blocking pool, which ends it after 10 s idle: her idle
+/// process was killed with it). So every child is spawned by [`spawn`] from one thread that
+/// lives as long as the process.
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
 fn die_with_parent(cmd: &mut Command) {
@@ -269,6 +272,48 @@ fn die_with_parent(cmd: &mut Command) {
 /// Elsewhere only `kill_on_drop` holds.
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_cmd: &mut Command) {}
+
+/// A spawn for the spawner thread: the command, the runtime the child belongs to (its reaper
+/// and pipes), and where the child goes.
+type SpawnJob = (
+    Command,
+    tokio::runtime::Handle,
+    tokio::sync::oneshot::Sender<std::io::Result<Child>>,
+);
+
+/// Spawns `cmd` from the one thread that spawns every claude process (see
+/// [`die_with_parent`]), which lives as long as the process; where that thread cannot be
+/// started, from the calling thread.
+async fn spawn(mut cmd: Command) -> std::io::Result<Child> {
+    static SPAWNER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<SpawnJob>>> =
+        std::sync::OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("claude-spawner".into())
+            .spawn(move || {
+                for (mut cmd, runtime, reply) in rx {
+                    let _entered = runtime.enter();
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .map_err(
+                |e| warn!(error = %e, "no spawner thread; claude processes are spawned in place"),
+            )
+            .ok()
+            .map(|_| tx)
+    });
+    let Some(spawner) = spawner else {
+        return cmd.spawn();
+    };
+    let (reply, child) = tokio::sync::oneshot::channel();
+    spawner
+        .send((cmd, tokio::runtime::Handle::current(), reply))
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    child
+        .await
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
+}
 
 /// Keep-warm: one forked, unpersisted request on `session_id` (`--resume <id> --fork-session
 /// --no-session-persistence`). It repeats the session's history byte for byte, so it reads and
@@ -322,7 +367,7 @@ async fn run_once(
     }
     std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
     std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
-    let mut child = cmd.spawn().map_err(spawn_err)?;
+    let mut child = spawn(cmd).await.map_err(spawn_err)?;
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
         pipe.write_all(text.as_bytes()).await.map_err(spawn_err)?;
         drop(pipe);
@@ -381,7 +426,7 @@ impl Cli {
         };
         std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
         std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
-        let mut child = cmd.spawn().map_err(spawn_err)?;
+        let mut child = spawn(cmd).await.map_err(spawn_err)?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(DriverError::Exited("no stdio pipes".into()));
         };

@@ -533,3 +533,29 @@ async fn a_failed_turn_outlives_its_process_and_a_killed_one_does_not() {
     assert_eq!(sent.matches("CHARLIE").count(), 0, "{sent}");
     cli.shutdown(Duration::from_secs(5)).await;
 }
+
+/// Her process dies with the gateway (Linux's parent-death signal), which is sent when the
+/// thread that spawned the child exits; tokio's threads come and go (a worker's thread after
+/// `block_in_place` ends 10 s idle in the blocking pool), so a process asked for from a thread
+/// that then exits must live on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_outlives_the_thread_that_asked_for_it() {
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let scratch = tests::ScratchDir::new("thread-gone");
+    let dir = scratch.path().to_path_buf();
+    let cfg = config(&mock, &dir);
+    let runtime = tokio::runtime::Handle::current();
+    let mut cli = std::thread::spawn(move || runtime.block_on(Cli::spawn(cfg)))
+        .join()
+        .expect("the thread")
+        .expect("CLI ready");
+    let pid = cli.pid();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let turn = cli
+        .turn("are you still there?")
+        .await
+        .expect("the process lives on");
+    assert!(!turn.result.is_error, "{:?}", turn.result);
+    assert_eq!(cli.pid(), pid);
+    cli.shutdown(Duration::from_secs(5)).await;
+}
