@@ -13,7 +13,8 @@
 //!   [`ATTEMPTS`] times per round; then the round fails and is retried later with backoff.
 //!   A turn the model API failed on ended with a result, so its text is in her session's
 //!   transcript: its retry in that session (whichever process, after a restart too) is a
-//!   `[retry]` note alone, not the batch again.
+//!   `[retry]` note alone, not the batch again. So is the retry of a turn her process died in,
+//!   when the transcript it resumes holds the batch (`driver::transcript_holds`).
 //! - A reply naming a room that is not hers, or no structured reply, sends nothing; the next
 //!   batch carries a correction note. A prompt-too-long or blocking-limit refusal starts a
 //!   fresh session (generation + 1) and retries the batch there.
@@ -957,11 +958,19 @@ impl TurnLoop {
                 .inbox
                 .session_value(&self.persona.id, "session_id")?
                 .is_some();
-            // After a crash her process is new: the retried batch says so.
-            let text = if respawned {
-                render::with_note(text, &self.restart_note("your claude process"))
-            } else {
+            // After a crash her process is new: the retried batch says so, and is not sent
+            // again when the crashed process had written it into her transcript already.
+            let text = if !respawned {
                 text.to_owned()
+            } else if self.held_by_session(text) {
+                tracing::info!(persona = %self.persona.id, "her session's transcript holds this batch already; retrying without it");
+                let restart = self.restart_note("your claude process");
+                self.retry_text(
+                    Some(restart),
+                    "your claude process stopped before you answered the batch above",
+                )
+            } else {
+                render::with_note(text, &self.restart_note("your claude process"))
             };
             let result = match self.ensure_cli().await {
                 Ok(cli) => cli.turn(&text).await,
@@ -985,6 +994,28 @@ impl TurnLoop {
         Err(TurnError::Cli(last.unwrap_or_else(|| {
             DriverError::Exited("resume kept failing".into())
         })))
+    }
+
+    /// Whether her stored session's transcript already holds the batch `text` (its header
+    /// line): a process that resumes the session will send the model that text again.
+    fn held_by_session(&self, text: &str) -> bool {
+        match (&self.status.session_id, render::batch_header(text)) {
+            (Some(session), Some(header)) => {
+                session::driver::transcript_holds(&self.base, session, header)
+            }
+            _ => false,
+        }
+    }
+
+    /// The message of a retry whose batch her session holds already: the `restart` note if
+    /// any, and a `[retry]` note saying `why` (the batch is "above").
+    fn retry_text(&mut self, restart: Option<Note>, why: &str) -> String {
+        let mut notes: Vec<Note> = restart.into_iter().collect();
+        notes.push(Note::new(
+            "retry",
+            format!("{why}, which you have not answered yet: answer it now (it is not repeated)"),
+        ));
+        render::render(&[], &mut self.seen, &notes)
     }
 
     /// Before a planned compaction, with `checkpoint_before_compact`: one turn that asks her to
@@ -1203,28 +1234,35 @@ impl TurnLoop {
             .and_then(Cli::session_id)
             .or(self.status.session_id.as_deref())
             .map(str::to_owned);
+        let restart = self.restarted.map(|what| self.restart_note(what));
         let text = match self.failed.take() {
             Some(f) if f.turn_id == turn_id && Some(&f.session) == next_session.as_ref() => {
                 tracing::info!(status = ?f.status, "retrying the turn the model API failed on; its batch is in her conversation");
                 let status = f
                     .status
                     .map_or_else(|| "an error".to_owned(), |s| format!("HTTP {s}"));
-                let note = Note::new(
-                    "retry",
-                    format!(
-                        "the model API failed ({status}) on the batch above, which you have not \
-                         answered yet: answer it now (it is not repeated)"
-                    ),
-                );
-                let mut notes: Vec<Note> = self
-                    .restarted
-                    .map(|what| self.restart_note(what))
-                    .into_iter()
-                    .collect();
-                notes.push(note);
-                render::render(&[], &mut self.seen, &notes)
+                render::render(batch, &mut self.seen, &[]);
+                self.retry_text(
+                    restart,
+                    &format!("the model API failed ({status}) on the batch above"),
+                )
             }
-            _ => self.compose(batch, &stored),
+            _ => {
+                let composed = self.compose(batch, &stored);
+                // A new process resumes her session: if the one before died in this batch's
+                // turn after its text reached her transcript, it is not sent again.
+                if self.cli.is_none() && self.held_by_session(&composed) {
+                    tracing::info!(
+                        "her session's transcript holds this batch already; retrying without it"
+                    );
+                    self.retry_text(
+                        restart,
+                        "your last turn ended before you answered the batch above",
+                    )
+                } else {
+                    composed
+                }
+            }
         };
         let mut turn = self.run_cli(&text).await;
         if Self::too_long(&turn) {

@@ -273,6 +273,34 @@ fn die_with_parent(cmd: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_cmd: &mut Command) {}
 
+/// Whether her session's transcript (`projects/*/SESSION.jsonl` under the CLI's config
+/// directory) holds `needle` in its last few MiB: what a process resuming the session will
+/// send the model. A turn the CLI was killed in may or may not have reached it (its user
+/// message is written as the turn starts, racing the kill), so the caller looks before it
+/// sends the turn's batch again. An unreadable or missing transcript holds nothing.
+pub fn transcript_holds(cfg: &CliConfig, session_id: &str, needle: &str) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    /// The tail read: a turn's batch is far smaller, and it is the last thing written.
+    const TAIL: u64 = 4 << 20;
+    let file = format!("{session_id}.jsonl");
+    let Ok(projects) = std::fs::read_dir(cfg.config_dir.join("projects")) else {
+        return false;
+    };
+    projects.flatten().any(|project| {
+        let Ok(mut f) = std::fs::File::open(project.path().join(&file)) else {
+            return false;
+        };
+        let len = f.metadata().map_or(0, |m| m.len());
+        let mut tail = Vec::new();
+        f.seek(SeekFrom::Start(len.saturating_sub(TAIL)))
+            .and_then(|_| f.read_to_end(&mut tail))
+            .is_ok()
+            && tail
+                .windows(needle.len().max(1))
+                .any(|w| w == needle.as_bytes())
+    })
+}
+
 /// A spawn for the spawner thread: the command, the runtime the child belongs to (its reaper
 /// and pipes), and where the child goes.
 type SpawnJob = (

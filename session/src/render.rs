@@ -201,6 +201,16 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
     out
 }
 
+/// The first line of a rendered batch of deliveries (`[cultnet batch from the gateway] seqs
+/// A-B: N new message(s)`), which names it: a session's transcript that holds it was shown
+/// that batch. `None` for a turn on notes alone.
+pub fn batch_header(text: &str) -> Option<&str> {
+    let line = text.lines().next()?;
+    line.strip_prefix(HEADER_PREFIX)?
+        .starts_with("seqs ")
+        .then_some(line)
+}
+
 /// `text` (a rendered batch) with `note` added to its notes section (made when it has none),
 /// right after the header line.
 pub fn with_note(text: &str, note: &Note) -> String {
@@ -689,6 +699,18 @@ mod tests {
         assert_eq!(picks(&a), picks(&b));
         assert_eq!(picks(&a), picks(&notes));
         assert!(HEADER_PREFIX.len() > 21);
+        // A batch of deliveries is named by its header line; a turn on notes alone is not.
+        let batch = render(&[d(7, "!a", false, "hi")], &mut Seen::default(), &[]);
+        assert_eq!(
+            batch_header(&batch),
+            Some("[cultnet batch from the gateway] seqs 7-7: 1 new message(s)")
+        );
+        let notes = render(&[], &mut Seen::default(), &[Note::new("state", "calm")]);
+        assert_eq!(batch_header(&notes), None);
+        assert_eq!(
+            batch_header("seqs 7-7: chat that starts like a header"),
+            None
+        );
     }
 
     #[test]

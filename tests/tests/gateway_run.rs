@@ -83,12 +83,25 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
         "the CLI was not respawned; log:\n{}",
         gw.log()
     );
-    // The retried batch tells her that her process was restarted.
+    // The retried batch tells her that her process was restarted, and she sees the batch
+    // once: sent again, or, when the killed process had written it into her transcript
+    // already, only named by a `[retry]` note.
     assert!(
         mock.ledger().iter().any(|e| e
             .last_user_text
             .contains("[restart] your claude process was restarted")),
         "no restart note after the CLI was killed"
+    );
+    let answered = mock
+        .ledger()
+        .into_iter()
+        .rfind(|e| e.status == 200)
+        .unwrap();
+    assert_eq!(
+        answered.user_text.matches("are you there?").count(),
+        1,
+        "{}",
+        answered.user_text
     );
     assert_eq!(gw.stop().code(), Some(0));
     let inbox = Inbox::open(&dir.join("state/inbox")).unwrap();
@@ -286,8 +299,9 @@ fn claude_pids(prompt: &std::path::Path) -> String {
 
 /// `kill -9` of the gateway mid-turn takes her claude process with it: left alive, it finished
 /// the turn into her session's transcript, so the restarted gateway's retry showed her the
-/// batch twice (and two processes held one transcript). She answers once, having seen the
-/// batch once.
+/// batch twice (and two processes held one transcript). The killed turn's text is in her
+/// transcript already, so the retry names it in a `[retry]` note instead of sending it again:
+/// she sees the batch once and answers once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
     let scene = Scene::new("run-orphan", Limits::Relaxed).await;
@@ -326,6 +340,8 @@ async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(!claude_pids(&prompt).is_empty(), "no claude process found");
+    // Long enough for the CLI to have written the turn's text into her transcript.
+    tokio::time::sleep(Duration::from_secs(1)).await;
     gw.kill9();
     let deadline = Instant::now() + Duration::from_secs(5);
     while !claude_pids(&prompt).is_empty() {
@@ -352,6 +368,14 @@ async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
         1,
         "she was shown the batch twice:\n{}",
         retried.user_text
+    );
+    // Her transcript held it: the retry names it instead of sending it again.
+    assert!(
+        retried
+            .last_user_text
+            .contains("[retry] your last turn ended before you answered the batch above"),
+        "{}",
+        retried.last_user_text
     );
     assert_eq!(gw.stop().code(), Some(0));
     assert!(
