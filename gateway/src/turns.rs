@@ -256,9 +256,10 @@ pub struct TurnLoop {
 /// A turn the model API failed on after the CLI's own retries (or interrupted past its
 /// timeout). The CLI writes a turn that ended with a result, failed or not, into her session's
 /// transcript, so every process that resumes the session holds its text (merged with the next
-/// message): the retry must not send the batch again, she would see it twice. A process killed
-/// before the result leaves no trace of the attempt, so without this marker the batch is sent
-/// whole. Stored (session value `failed`), so a restart of the gateway keeps it.
+/// message): the retry must not send the batch again, she would see it twice. (A turn whose
+/// process was killed may or may not have reached the transcript: that is looked up there,
+/// [`TurnLoop::held_by_session`].) Stored (session value `failed`), so a restart of the gateway
+/// keeps it.
 #[derive(Debug, Serialize, serde::Deserialize)]
 struct ApiFailure {
     turn_id: String,

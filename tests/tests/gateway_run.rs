@@ -27,11 +27,9 @@ use tests::synapse::Limits;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed() {
     let scene = Scene::new("run-live", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let token = scene.vera_token.clone();
-    let (session, prompt) = live_section(&dir, &mock, 800, "");
-    let config = write_config(&dir, &url, &token, &[], &["@ann:localhost"], &session);
+    let (config, prompt) = vera_live(&scene, &mock, 800, "");
     let gw = GatewayProcess::start(&config);
 
     let dm = open_dm(ann, &gw).await;
@@ -305,17 +303,9 @@ fn claude_pids(prompt: &std::path::Path) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
     let scene = Scene::new("run-orphan", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, prompt) = live_section(&dir, &mock, 800, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
+    let (config, prompt) = vera_live(&scene, &mock, 800, "");
     let gw = GatewayProcess::start(&config);
     let dm = open_dm(ann, &gw).await;
     let room = dm.room_id().to_string();
@@ -477,11 +467,15 @@ async fn a_rejected_token_stops_only_that_persona() {
     );
 }
 
-/// Starts vera's gateway with her live session against `mock` (a 100-sentence doctrine),
-/// `limits` as her `[persona.limits]` and ann as her operator.
-fn start_live(scene: &Scene, mock: &MockApi, limits: &str) -> GatewayProcess {
-    let extra = format!("\n[persona.limits]\n{limits}");
-    let (session, _) = live_section(&scene.dir, mock, 100, &extra);
+/// Writes the config of vera's live session against `mock` (a doctrine of `sentences`, `extra`
+/// session lines) with ann as her operator: the config's path and the doctrine's.
+fn vera_live(
+    scene: &Scene,
+    mock: &MockApi,
+    sentences: usize,
+    extra: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (session, prompt) = live_section(&scene.dir, mock, sentences, extra);
     let config = write_config(
         &scene.dir,
         &scene.url,
@@ -490,7 +484,14 @@ fn start_live(scene: &Scene, mock: &MockApi, limits: &str) -> GatewayProcess {
         &["@ann:localhost"],
         &session,
     );
-    GatewayProcess::start(&config)
+    (config, prompt)
+}
+
+/// Starts vera's gateway with her live session against `mock` (a 100-sentence doctrine),
+/// `limits` as her `[persona.limits]` and ann as her operator.
+fn start_live(scene: &Scene, mock: &MockApi, limits: &str) -> GatewayProcess {
+    let extra = format!("\n[persona.limits]\n{limits}");
+    GatewayProcess::start(&vera_live(scene, mock, 100, &extra).0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1125,17 +1126,9 @@ async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
     use gateway::turns::{read_history, RecordKind};
 
     let scene = Scene::new("run-warm", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "cache_ttl = \"5m\"\n");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
+    let (config, _) = vera_live(&scene, &mock, 800, "cache_ttl = \"5m\"\n");
     let gw = GatewayProcess::start(&config);
     let dm = open_dm(ann, &gw).await;
     let room = dm.room_id().to_string();
