@@ -1157,9 +1157,14 @@ impl TurnLoop {
             (None, None) => return Ok(()),
         };
         tracing::Span::current().record("turn", turn_id.as_str());
+        // A batch already in flight is a retry: a turn before may have left it in her
+        // transcript.
+        let mut retried = false;
         if let Some((first, last)) = span {
+            let inflight = format!("{first}-{last}");
+            retried = self.inbox.session_value(&id, "inflight")?.as_deref() == Some(&inflight);
             self.inbox
-                .set_session_value(&id, "inflight", Some(&format!("{first}-{last}")))?;
+                .set_session_value(&id, "inflight", Some(&inflight))?;
         }
         if let Some((_, through)) = note_span {
             self.inbox
@@ -1250,9 +1255,9 @@ impl TurnLoop {
             }
             _ => {
                 let composed = self.compose(batch, &stored);
-                // A new process resumes her session: if the one before died in this batch's
-                // turn after its text reached her transcript, it is not sent again.
-                if self.cli.is_none() && self.held_by_session(&composed) {
+                // A retry in a new process that resumes her session: if the one before died in
+                // this batch's turn after its text reached her transcript, it is not sent again.
+                if retried && self.cli.is_none() && self.held_by_session(&composed) {
                     tracing::info!(
                         "her session's transcript holds this batch already; retrying without it"
                     );

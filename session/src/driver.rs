@@ -322,7 +322,11 @@ async fn spawn(mut cmd: Command) -> std::io::Result<Child> {
             .spawn(move || {
                 for (mut cmd, runtime, reply) in rx {
                     let _entered = runtime.enter();
-                    let _ = reply.send(cmd.spawn());
+                    // Never let one spawn end the thread every later spawn needs.
+                    let spawned =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cmd.spawn()))
+                            .unwrap_or_else(|_| Err(std::io::Error::other("spawning panicked")));
+                    let _ = reply.send(spawned);
                 }
             })
             .map_err(
@@ -335,9 +339,12 @@ async fn spawn(mut cmd: Command) -> std::io::Result<Child> {
         return cmd.spawn();
     };
     let (reply, child) = tokio::sync::oneshot::channel();
-    spawner
-        .send((cmd, tokio::runtime::Handle::current(), reply))
-        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    if let Err(std::sync::mpsc::SendError((mut cmd, _, _))) =
+        spawner.send((cmd, tokio::runtime::Handle::current(), reply))
+    {
+        warn!("the spawner thread is gone; a claude process is spawned in place");
+        return cmd.spawn();
+    }
     child
         .await
         .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
