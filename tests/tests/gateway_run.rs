@@ -49,26 +49,9 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     assert!(status["session_id"].is_string());
 
     // The CLI killed mid-turn: the turn is retried in the resumed session, one reply.
-    mock.inject(Fault::Delay(Duration::from_secs(4)));
-    let again = serde_json::json!({"say": [{"room": room, "text": "second answer"}]});
-    mock.script(again.clone());
-    mock.script(again);
-    let before = mock.ledger().len();
-    dm.send(RoomMessageEventContent::text_plain("are you there?"))
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    // The request is in the ledger as soon as it arrives; its answer is held back 4 s.
-    while mock.ledger().len() == before {
-        assert!(Instant::now() < deadline, "the turn never reached the API");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let pids = std::process::Command::new("pgrep")
-        .args(["-f", &prompt.display().to_string()])
-        .output()
-        .unwrap();
-    let pids = String::from_utf8_lossy(&pids.stdout).to_string();
-    assert!(!pids.trim().is_empty(), "no claude process found");
+    asked_and_held(&mock, &dm, "are you there?", "second answer").await;
+    let pids = claude_pids(&prompt);
+    assert!(!pids.is_empty(), "no claude process found");
     for pid in pids.split_whitespace() {
         let _ = std::process::Command::new("kill")
             .args(["-9", pid])
@@ -286,6 +269,25 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     );
 }
 
+/// Ann says `text` in `dm`, and her turn's request reaches the API, which holds its answer
+/// back 4 s (`answer`, scripted for it and for a retry).
+async fn asked_and_held(mock: &MockApi, dm: &matrix_sdk::Room, text: &str, answer: &str) {
+    mock.inject(Fault::Delay(Duration::from_secs(4)));
+    let say = serde_json::json!({"say": [{"room": dm.room_id().to_string(), "text": answer}]});
+    mock.script(say.clone());
+    mock.script(say);
+    let before = mock.ledger().len();
+    dm.send(RoomMessageEventContent::text_plain(text))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The request is in the ledger as soon as it arrives.
+    while mock.ledger().len() == before {
+        assert!(Instant::now() < deadline, "the turn never reached the API");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Her claude processes, found by her doctrine's path on their command line.
 fn claude_pids(prompt: &std::path::Path) -> String {
     let out = std::process::Command::new("pgrep")
@@ -317,18 +319,7 @@ async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
     wait_for_reply(ann, &dm, "hello ann", Duration::from_secs(90)).await;
 
     // Her next turn's request reaches the API, whose answer takes 4 s; the gateway dies.
-    mock.inject(Fault::Delay(Duration::from_secs(4)));
-    mock.script(say("second answer"));
-    mock.script(say("second answer"));
-    let before = mock.ledger().len();
-    dm.send(RoomMessageEventContent::text_plain("are you there?"))
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while mock.ledger().len() == before {
-        assert!(Instant::now() < deadline, "the turn never reached the API");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    asked_and_held(&mock, &dm, "are you there?", "second answer").await;
     assert!(!claude_pids(&prompt).is_empty(), "no claude process found");
     // Long enough for the CLI to have written the turn's text into her transcript.
     tokio::time::sleep(Duration::from_secs(1)).await;
