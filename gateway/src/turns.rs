@@ -790,19 +790,7 @@ impl TurnLoop {
     /// Sets (and stores) the turn the model API failed on; a failure to store only means a
     /// restart of the gateway would send its batch again.
     fn set_failed(&mut self, failed: Option<ApiFailure>) {
-        let stored = failed
-            .as_ref()
-            .map(serde_json::to_string)
-            .transpose()
-            .map_err(|e| e.to_string())
-            .and_then(|v| {
-                self.inbox
-                    .set_session_value(&self.persona.id, FAILED, v.as_deref())
-                    .map_err(|e| e.to_string())
-            });
-        if let Err(e) = stored {
-            tracing::warn!(persona = %self.persona.id, error = %e, "the failed turn was not stored");
-        }
+        self.keep_learned(FAILED, &failed);
         self.failed = failed;
     }
 
@@ -844,40 +832,37 @@ impl TurnLoop {
             session,
             telemetry: self.telemetry.keep(Instant::now(), crate::ear::unix_ms()),
         };
-        let stored = serde_json::to_string(&policy)
-            .and_then(|p| {
-                let totals = match &self.billed_so_far {
-                    Some(t) => Some(serde_json::to_string(t)?),
-                    None => None,
-                };
-                Ok((p, totals))
-            })
-            .map_err(|e| e.to_string())
-            .and_then(|(p, totals)| {
-                self.inbox
-                    .set_session_values(
-                        &self.persona.id,
-                        &[(POLICY, Some(&p)), (TOTALS, totals.as_deref())],
-                    )
-                    .map_err(|e| e.to_string())
-            });
-        if let Err(e) = stored {
-            tracing::warn!(persona = %self.persona.id, error = %e, "her session's state was not stored; a restart starts it over");
-        }
+        self.store_json(&[
+            (POLICY, serde_json::to_string(&policy)),
+            (TOTALS, serde_json::to_string(&self.billed_so_far)),
+        ]);
     }
 
-    /// Stores something the policy learned (JSON in her session values); a failure costs only
-    /// what a restart would forget, so it is logged, not raised.
+    /// Stores something the turn loop keeps across restarts (JSON in her session values: what
+    /// the policy learned, a failed turn); see [`TurnLoop::store_json`].
     fn keep_learned<T: Serialize>(&self, name: &str, value: &T) {
-        let stored = serde_json::to_string(value)
-            .map_err(|e| e.to_string())
-            .and_then(|v| {
+        self.store_json(&[(name, serde_json::to_string(value))]);
+    }
+
+    /// Stores session values serialized as JSON, all with one flush; a `null` (an `Option`
+    /// that is `None`) removes the value. A failure is logged: a restart would only start
+    /// over what they held.
+    fn store_json(&self, values: &[(&str, serde_json::Result<String>)]) {
+        let stored = values
+            .iter()
+            .map(|(name, v)| match v {
+                Ok(v) => Ok((*name, (v != "null").then_some(v.as_str()))),
+                Err(e) => Err(e.to_string()),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(|vs| {
                 self.inbox
-                    .set_session_value(&self.persona.id, name, Some(&v))
+                    .set_session_values(&self.persona.id, &vs)
                     .map_err(|e| e.to_string())
             });
         if let Err(e) = stored {
-            tracing::warn!(persona = %self.persona.id, name, error = %e, "what the policy learned was not stored");
+            let names: Vec<&str> = values.iter().map(|(n, _)| *n).collect();
+            tracing::warn!(persona = %self.persona.id, ?names, error = %e, "session values not stored; a restart starts them over");
         }
     }
 

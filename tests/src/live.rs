@@ -148,3 +148,17 @@ pub async fn open_dm(ann: &matrix_sdk::Client, gw: &GatewayProcess) -> matrix_sd
     }
     dm
 }
+
+/// Asserts that her history's records (turns and what came between them) together cost
+/// what the mock billed (`ledger`), within 1%.
+pub fn assert_history_is_the_bill(
+    history: &[gateway::turns::TurnRecord],
+    ledger: &[crate::mock_api::LedgerEntry],
+) {
+    let recorded: f64 = history.iter().map(|r| r.cost_usd).sum();
+    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
+    assert!(
+        (recorded - bill).abs() <= 0.01 * bill,
+        "recorded ${recorded}, billed ${bill}"
+    );
+}

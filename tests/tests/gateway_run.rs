@@ -571,12 +571,7 @@ async fn a_conversation_outgrowing_the_window_is_compacted_and_goes_on() {
         summary_bill > 0.0 && (compaction_cost - summary_bill).abs() <= 0.01 * summary_bill,
         "compactions recorded ${compaction_cost}, billed ${summary_bill}"
     );
-    let recorded: f64 = history.iter().map(|r| r.cost_usd).sum();
-    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
-    assert!(
-        (recorded - bill).abs() <= 0.01 * bill,
-        "recorded ${recorded}, billed ${bill}"
-    );
+    tests::live::assert_history_is_the_bill(&history, &ledger);
 }
 
 /// A fresh start is priced with what her rooms would send again: once her session holds lines
@@ -1213,14 +1208,5 @@ async fn her_cache_is_kept_warm_through_a_silence_longer_than_its_ttl() {
         (status["upkeep_usd"].as_f64().unwrap_or(0.0) - upkeep).abs() < 1e-9,
         "{status}"
     );
-    let recorded: f64 = read_history(&history)
-        .unwrap()
-        .iter()
-        .map(|r| r.cost_usd)
-        .sum();
-    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
-    assert!(
-        (recorded - bill).abs() <= 0.01 * bill,
-        "recorded ${recorded}, billed ${bill}"
-    );
+    tests::live::assert_history_is_the_bill(&read_history(&history).unwrap(), &ledger);
 }

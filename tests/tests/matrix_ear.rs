@@ -465,15 +465,21 @@ async fn a_thread_root_older_than_the_stored_timeline_is_fetched_for_context() {
     gw.stop().await;
 }
 
+/// A public room `#den` that ann made and said thirty lines in (`old 0` to `old 29`).
+async fn den_of_thirty(scene: &Scene) -> matrix_sdk::Room {
+    let den = public_room(&scene.ann, "den").await;
+    for i in 0..30 {
+        den.send(text(&format!("old {i}"))).await.unwrap();
+    }
+    den
+}
+
 /// A cold start: her first sync seeds fewer lines than a delivery's context needs
 /// (`fetch_limit` 5), so the room's history is read once with `/messages`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cold_room_reads_its_history_for_context() {
     let scene = Scene::new("ear-cold", Limits::Relaxed).await;
-    let den = public_room(&scene.ann, "den").await;
-    for i in 0..30 {
-        den.send(text(&format!("old {i}"))).await.unwrap();
-    }
+    let den = den_of_thirty(&scene).await;
     let mut p = persona(&scene.url, "vera", &["#den:localhost"], &[]);
     p.limits.fetch_limit = 5;
     let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
@@ -515,10 +521,7 @@ async fn a_cold_room_reads_its_history_for_context() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_line_said_while_the_ear_reads_history_keeps_its_place() {
     let scene = Scene::new("ear-race", Limits::Relaxed).await;
-    let den = public_room(&scene.ann, "den").await;
-    for i in 0..30 {
-        den.send(text(&format!("old {i}"))).await.unwrap();
-    }
+    let den = den_of_thirty(&scene).await;
     let proxy = FaultProxy::start(&scene.url).await;
     let mut p = persona(&proxy.url(), "vera", &["#den:localhost"], &[]);
     p.limits.fetch_limit = 5;

@@ -942,12 +942,7 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
             e.cost
         );
     }
-    let recorded: f64 = history.iter().map(|r| r.cost_usd).sum();
-    let bill: f64 = ledger.iter().map(|e| e.cost).sum();
-    assert!(
-        (recorded - bill).abs() <= 0.01 * bill,
-        "recorded ${recorded}, billed ${bill}"
-    );
+    tests::live::assert_history_is_the_bill(&history, &ledger);
 }
 
 /// A reply naming a room that is not hers sends nothing, and her next batch tells her so, also
