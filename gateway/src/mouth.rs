@@ -27,6 +27,9 @@ use crate::matrix::{classify, Backoff, Failure};
 /// encrypted room's ciphertext is base64, a third larger than the plain event.
 pub const MAX_TEXT_BYTES: usize = 32 * 1024;
 
+// Her reply schema's limit (characters, at most four bytes each) fits the mouth's.
+const _: () = assert!(session::render::MAX_SAY_CHARS * 4 <= MAX_TEXT_BYTES);
+
 /// Attempts per send before it fails with [`MouthError::Exhausted`].
 pub const MAX_ATTEMPTS: u32 = 6;
 
@@ -164,6 +167,12 @@ impl Mouth {
             retry_floor: Duration::from_millis(500),
             retries: Arc::default(),
         }
+    }
+
+    /// The room id a name resolved to (a configured alias, or an alias she sent to), from
+    /// what the mouth has resolved so far; no homeserver request.
+    pub async fn resolved(&self, name: &str) -> Option<String> {
+        self.rooms.lock().await.get(name).map(ToString::to_string)
     }
 
     /// Send attempts repeated after a 429, a 5xx or a network error, since start.

@@ -726,8 +726,14 @@ impl TurnLoop {
         self.fresh_start(why).map_err(|e| e.to_string())
     }
 
-    fn rooms_allowed(&self, batch: &[Delivery]) -> Vec<String> {
+    /// The rooms her reply may name: her configured rooms, by name and by the id each
+    /// resolved to, and the batch's rooms.
+    async fn rooms_allowed(&self, batch: &[Delivery]) -> Vec<String> {
         let mut rooms: Vec<String> = self.persona.rooms.clone();
+        // A configured room by its id too: batches show rooms as "#alias (!id)".
+        for name in &self.persona.rooms {
+            rooms.extend(self.mouth.resolved(name).await);
+        }
         for d in batch {
             rooms.push(d.room_id.clone());
             rooms.extend(d.room_alias.clone());
@@ -1382,7 +1388,7 @@ impl TurnLoop {
         lines: &[(String, Vec<wire::docs::ContextLine>)],
     ) -> Result<(usize, usize, String), TurnError> {
         let id = self.persona.id.clone();
-        let allowed = self.rooms_allowed(batch);
+        let allowed = self.rooms_allowed(batch).await;
         let allowed_refs: Vec<&str> = allowed.iter().map(String::as_str).collect();
         let mut kept = false;
         let (says, extensions, outcome) = match self.schema.validate(output, &allowed_refs) {
@@ -1394,6 +1400,7 @@ impl TurnLoop {
                         .set_session_value(&id, REPLY, Some(&value.to_string()))?;
                     kept = true;
                 }
+                let mut refused: Vec<(&str, &str, String)> = Vec::new();
                 for (i, say) in reply.say.iter().enumerate() {
                     let request_id = format!("{turn_id}:{i}");
                     let receipt = self
@@ -1421,12 +1428,28 @@ impl TurnLoop {
                                 error: receipt.error.unwrap_or_default(),
                             })
                         }
+                        // Refused for good (too long, a room she may not post in): not
+                        // retried, and her next batch tells her it went nowhere.
                         Status::Rejected => {
                             tracing::warn!(request = %request_id, error = ?receipt.error, "say refused; not retried");
+                            refused.push((&say.room, &say.text, receipt.error.unwrap_or_default()));
                         }
                     }
                 }
-                (reply.say.len(), reply.extensions, "sent".to_owned())
+                let sent = reply.say.len() - refused.len();
+                let outcome = if refused.is_empty() {
+                    "sent".to_owned()
+                } else {
+                    let each: Vec<(&str, &str, &str)> = refused
+                        .iter()
+                        .map(|(room, text, why)| (*room, *text, why.as_str()))
+                        .collect();
+                    let note = render::unsent_says_note(&each, reply.say.len());
+                    let outcome = format!("sent {sent} of {}: {note}", reply.say.len());
+                    self.note = Some(note);
+                    outcome
+                };
+                (sent, reply.extensions, outcome)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reply not sent");

@@ -280,6 +280,12 @@ pub struct Reply {
     pub extensions: Vec<(String, serde_json::Value)>,
 }
 
+/// The longest text one say may carry, in characters. JSON Schema counts characters and the
+/// mouth bytes: at most four bytes a character, so a say within this fits the mouth's 32 KiB
+/// (`gateway::mouth::MAX_TEXT_BYTES`). The schema tells her, and the CLI bounces a longer say
+/// back to her within the turn, so she splits it instead of its being refused after.
+pub const MAX_SAY_CHARS: usize = 8192;
+
 /// The base reply schema: `say` only.
 fn base_schema() -> serde_json::Value {
     serde_json::json!({
@@ -296,7 +302,12 @@ fn base_schema() -> serde_json::Value {
                     "required": ["room", "text"],
                     "properties": {
                         "room": {"type": "string", "description": "room id or alias from the batch"},
-                        "text": {"type": "string", "minLength": 1},
+                        "text": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": MAX_SAY_CHARS,
+                            "description": format!("at most {MAX_SAY_CHARS} characters: split a longer message into several says")
+                        },
                         "threadRoot": {"type": "string"},
                         "replyTo": {"type": "string"}
                     }
@@ -420,12 +431,14 @@ impl ReplySchema {
                 .split('/')
                 .next()
                 .unwrap_or_default();
+            // The error quotes the value, which may be a whole say of thousands of characters.
+            let error = clip(&e.to_string(), ERROR_CHARS);
             return Err(if field.is_empty() || field == "say" {
-                ReplyError::Malformed(format!("{at}: {e}"))
+                ReplyError::Malformed(format!("{at}: {error}"))
             } else {
                 ReplyError::Extension {
                     field: field.to_owned(),
-                    error: e.to_string(),
+                    error,
                 }
             });
         }
@@ -469,10 +482,13 @@ impl ReplyError {
     /// The short correction note the next batch carries.
     pub fn correction_note(&self) -> String {
         match self {
-            Self::Missing | Self::Malformed(_) => {
+            Self::Missing => {
                 "your last reply was not sent: answer with the StructuredOutput tool, {say: [...]}"
                     .to_owned()
             }
+            Self::Malformed(error) => format!(
+                "your last reply was not sent: it does not match the schema ({error}); answer with the StructuredOutput tool again"
+            ),
             Self::Extension { field, error } => format!(
                 "your last reply was not sent: its field {field:?} does not match the schema ({error}); answer with the StructuredOutput tool again"
             ),
@@ -481,6 +497,40 @@ impl ReplyError {
             }
         }
     }
+}
+
+/// Characters of a schema error kept in a reply error (and so in her correction, the turn's
+/// outcome and the log).
+const ERROR_CHARS: usize = 240;
+
+/// `s` cut to at most `max` characters, with "…" when cut.
+fn clip(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_owned(),
+    }
+}
+
+/// The correction for says of a sent reply that the homeserver (or the mouth) refused for
+/// good: each say's room, its opening words and why, so she knows they went nowhere (the
+/// reply's other says were sent). `refused` holds (room, text, why) of the reply's `says`.
+pub fn unsent_says_note(refused: &[(&str, &str, &str)], says: usize) -> String {
+    let each: Vec<String> = refused
+        .iter()
+        .map(|(room, text, why)| {
+            format!(
+                "your say to {room} ({} characters, \"{}\") was not sent: {}",
+                text.chars().count(),
+                clip(text, 60),
+                clip(why, ERROR_CHARS)
+            )
+        })
+        .collect();
+    let mut note = each.join("; ");
+    if refused.len() < says {
+        note.push_str("; your other says were sent");
+    }
+    note
 }
 
 /// Reads and checks a turn's `structured_output` against the base schema and her rooms (see
@@ -851,6 +901,52 @@ mod tests {
             Err(ReplyError::Malformed(_))
         ));
         assert_eq!(say_request_id("mira", 3, 5, 1), "turn:mira:3-5:1");
+    }
+
+    #[test]
+    fn a_say_longer_than_the_mouth_takes_is_refused_with_a_short_reason() {
+        let rooms = ["!a"];
+        let say = |text: String| serde_json::json!({"say": [{"room": "!a", "text": text}]});
+        // Four-byte characters at the limit still fit the mouth's 32 KiB.
+        let widest = "😀".repeat(MAX_SAY_CHARS);
+        assert!(widest.len() <= 32 * 1024);
+        assert!(validate(Some(&say(widest)), &rooms).is_ok());
+        let long = validate(Some(&say("x".repeat(MAX_SAY_CHARS + 1))), &rooms);
+        let Err(ReplyError::Malformed(error)) = &long else {
+            panic!("{long:?}")
+        };
+        assert!(error.starts_with("/say/0/text: "), "{error}");
+        assert!(error.chars().count() < 300, "{error}");
+        // Her correction says what is wrong, not only that it is.
+        let note = long.unwrap_err().correction_note();
+        assert!(note.contains("/say/0/text") && note.contains("…"), "{note}");
+        let schema: serde_json::Value = serde_json::from_str(&reply_schema()).unwrap();
+        let text = &schema["properties"]["say"]["items"]["properties"]["text"];
+        assert_eq!(text["maxLength"], MAX_SAY_CHARS);
+        assert!(text["description"].as_str().unwrap().contains("8192"));
+    }
+
+    #[test]
+    fn refused_says_are_named_to_her_with_their_reason() {
+        let long = "a line that goes on ".repeat(10);
+        let one = unsent_says_note(
+            &[("!n:l", &long, "homeserver refused (403 M_FORBIDDEN): no")],
+            2,
+        );
+        assert!(
+            one.starts_with("your say to !n:l (200 characters, \"a line that goes on a line"),
+            "{one}"
+        );
+        assert!(
+            one.contains("…\") was not sent: homeserver refused (403 M_FORBIDDEN): no"),
+            "{one}"
+        );
+        assert!(one.ends_with("; your other says were sent"), "{one}");
+        let all = unsent_says_note(&[("!n:l", "hi", "x"), ("#m:l", "yo", "y")], 2);
+        assert_eq!(
+            all,
+            "your say to !n:l (2 characters, \"hi\") was not sent: x; your say to #m:l (2 characters, \"yo\") was not sent: y"
+        );
     }
 
     #[test]

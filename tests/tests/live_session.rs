@@ -151,6 +151,45 @@ async fn slash_commands_in_chat_reach_the_model_as_text() {
     cli.shutdown(Duration::from_secs(5)).await;
 }
 
+/// A say longer than her schema allows (`MAX_SAY_CHARS`, what the mouth can send) never
+/// leaves the turn: the CLI bounces it back to her with the schema's reason, and her answer to
+/// that (here, the text split in two) is the turn's reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_say_over_the_limit_is_bounced_back_to_her_within_the_turn() {
+    use session::render::MAX_SAY_CHARS;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let scratch = tests::ScratchDir::new("long-say");
+    let dir = scratch.path().to_path_buf();
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let room = "!lobby:localhost";
+    let half = "y".repeat(MAX_SAY_CHARS / 2 + 1);
+    mock.script(json!({"say": [{"room": room, "text": "x".repeat(MAX_SAY_CHARS + 1)}]}));
+    mock.script(json!({"say": [{"room": room, "text": half}, {"room": room, "text": half}]}));
+    let turn = cli
+        .turn(&render(
+            &[delivery(1, "paste the whole log")],
+            &mut Seen::default(),
+            &[],
+        ))
+        .await
+        .expect("turn");
+    assert!(!turn.result.is_error, "{:?}", turn.result);
+    let reply = validate(turn.result.structured_output.as_ref(), &[room]).expect("reply");
+    let sizes: Vec<usize> = reply.say.iter().map(|s| s.text.len()).collect();
+    assert_eq!(sizes, [half.len(), half.len()]);
+    let ledger = mock.ledger();
+    assert_eq!(ledger.len(), 2, "the long say was asked for again");
+    // The CLI's own words (2.1.332): "Output does not match required schema: /say/0/text:
+    // must NOT have more than 8192 characters (got 8193)".
+    let why = format!("must NOT have more than {MAX_SAY_CHARS} characters");
+    assert!(
+        ledger[1].user_text.contains(&why) && !ledger[0].user_text.contains(&why),
+        "the bounce does not say why: {}",
+        ledger[1].user_text
+    );
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_process_resumes_the_same_session_from_cache() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();

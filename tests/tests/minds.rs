@@ -10,7 +10,7 @@
 //! - a turn refused as too long compacts first (also as the first thing after a restart of the
 //!   gateway, billed as the API billed it), then starts fresh;
 //! - a reply naming a room not hers sends nothing, and her next batch carries the correction,
-//!   across a restart of the gateway.
+//!   across a restart of the gateway; a say the homeserver refuses is named in her next batch.
 
 use std::time::{Duration, Instant};
 
@@ -20,7 +20,7 @@ use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use serde_json::json;
 use session::render::NOTES_LABEL;
 use tests::live::{from_vera, live_section, wait_for_reply};
-use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::matrix::{has_joined, public_room, write_config, GatewayProcess, Scene};
 use tests::mock_api::{Fault, LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
 use wire::docs::{
@@ -983,5 +983,84 @@ async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_rest
         );
     }
     assert_eq!(from_vera(ann, &lobby).await, ["here, then", "and again"]);
+    assert!(gw.stop().success());
+}
+
+/// A say the homeserver refuses for good (a room where only moderators may speak) is not
+/// retried, the reply's other say goes out, and her next batch names the refused say and why;
+/// the batch after that no longer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
+    use matrix_sdk::ruma::api::client::room::create_room::v3::{Request, RoomPreset};
+    use matrix_sdk::ruma::serde::Raw;
+    let scene = Scene::new("minds-refused", Limits::Relaxed).await;
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mr-lobby").await;
+    let mut req = Request::new();
+    req.room_alias_name = Some("mr-notices".to_owned());
+    req.preset = Some(RoomPreset::PublicChat);
+    req.power_level_content_override =
+        Some(Raw::from_json_string(r#"{"events_default": 50}"#.to_owned()).unwrap());
+    let notices = ann.create_room(req).await.unwrap();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &scene.url,
+        &scene.vera_token,
+        &["#mr-lobby:localhost", "#mr-notices:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    // Joined, so what refuses her say is the room's power levels, not her absence.
+    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !(has_joined(ann, &notices, vera).await && has_joined(ann, &lobby, vera).await) {
+        assert!(
+            Instant::now() < deadline,
+            "vera did not join:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let (room, hall) = (lobby.room_id().to_string(), notices.room_id().to_string());
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+    mock.script(json!({"say": [
+        {"room": hall, "text": "an announcement she may not make"},
+        {"room": room, "text": "hello from the lobby"},
+    ]}));
+    lobby.send(chat("hello")).await.unwrap();
+    wait_for_reply(ann, &lobby, "hello from the lobby", Duration::from_secs(90)).await;
+    turns_total(&dir, 1, &gw).await;
+    let turn = &status(&dir)["turns"][0];
+    assert_eq!(turn["says"], 1, "{turn}");
+    assert!(
+        turn["outcome"]
+            .as_str()
+            .is_some_and(|o| o.starts_with("sent 1 of 2") && o.contains("M_FORBIDDEN")),
+        "{turn}"
+    );
+    let correction = format!(
+        "[correction] your say to {hall} (32 characters, \"an announcement she may not make\") was not sent: homeserver refused (403 M_FORBIDDEN)"
+    );
+    for (i, text) in ["noted", "and on"].into_iter().enumerate() {
+        let from = mock.ledger().len();
+        mock.script(json!({"say": [{"room": room, "text": text}]}));
+        lobby.send(chat(&format!("message {i}"))).await.unwrap();
+        wait_for_reply(ann, &lobby, text, Duration::from_secs(90)).await;
+        let asked = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+        assert_eq!(
+            asked.last_user_text.contains(&correction),
+            i == 0,
+            "batch {i}: {}",
+            asked.last_user_text
+        );
+    }
+    assert!(from_vera(ann, &notices).await.is_empty());
+    assert_eq!(
+        from_vera(ann, &lobby).await,
+        ["hello from the lobby", "noted", "and on"]
+    );
     assert!(gw.stop().success());
 }
