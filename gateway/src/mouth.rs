@@ -132,6 +132,35 @@ pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) ->
     c
 }
 
+/// How often [`Mouth::typing_while`] asks for her typing notice to be renewed.
+const TYPING_RENEW: Duration = Duration::from_millis(500);
+
+/// Her typing notice in some rooms, kept on while this lives (see [`Mouth::typing_while`]).
+#[derive(Debug)]
+pub struct Typing {
+    task: tokio::task::JoinHandle<()>,
+    mouth: Mouth,
+    rooms: Vec<String>,
+}
+
+impl Typing {
+    /// Stops renewing and takes the notice down at once.
+    pub async fn stop(mut self) {
+        self.task.abort();
+        for r in std::mem::take(&mut self.rooms) {
+            self.mouth.typing(&r, false).await;
+        }
+    }
+}
+
+impl Drop for Typing {
+    /// Dropped without [`Typing::stop`] (an early return): no longer renewed, the notice
+    /// lapses within its 4 s.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// One Persona's mouth.
 #[derive(Clone)]
 pub struct Mouth {
@@ -317,6 +346,27 @@ impl Mouth {
             _ => Err(MouthError::NotHerRoom {
                 room: name.to_owned(),
             }),
+        }
+    }
+
+    /// Shows her typing in `rooms` until [`Typing::stop`] (or the guard is dropped). A
+    /// typing notice lasts 4 s (matrix-sdk's timeout) and a turn with a real model lasts
+    /// longer, so the notice is renewed: asked every half second, sent by matrix-sdk once 3 s
+    /// have passed since the last.
+    pub fn typing_while(&self, rooms: Vec<String>) -> Typing {
+        let (mouth, shown) = (self.clone(), rooms.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                for r in &shown {
+                    mouth.typing(r, true).await;
+                }
+                tokio::time::sleep(TYPING_RENEW).await;
+            }
+        });
+        Typing {
+            task,
+            mouth: self.clone(),
+            rooms,
         }
     }
 

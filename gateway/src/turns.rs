@@ -1180,9 +1180,7 @@ impl TurnLoop {
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
-        for r in &rooms {
-            self.mouth.typing(r, true).await;
-        }
+        let typing = self.mouth.typing_while(rooms);
         let started = Instant::now();
         if span.is_some() {
             self.book_gap(started);
@@ -1275,9 +1273,7 @@ impl TurnLoop {
                 turn = self.run_cli(&text).await;
             }
         }
-        for r in &rooms {
-            self.mouth.typing(r, false).await;
-        }
+        typing.stop().await;
         let turn = turn?;
         let res = &turn.result;
         if res.outcome() == Outcome::ApiError {

@@ -8,7 +8,8 @@
 //!   the schema) is recorded at what both billed, its prefix the last one's prompt;
 //! - `kill -9` of the gateway at random moments during a burst of 500 messages, ten times:
 //!   every message delivered exactly once, with contiguous seqs in send order; `kill -9` of
-//!   the gateway mid-turn takes her claude process with it, and she sees the batch once.
+//!   the gateway mid-turn takes her claude process with it, and she sees the batch once;
+//! - her typing notice lasts as long as her turn, renewed past its 4 s;
 //! - each turn's record prices a fresh start with the lines her rooms would send again;
 //! - a reply whose send failed is sent as she gave it, once, without asking her again;
 //! - a compaction and a keep-warm refresh are in her history at what the mock billed, and a
@@ -49,7 +50,8 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
     assert!(status["session_id"].is_string());
 
     // The CLI killed mid-turn: the turn is retried in the resumed session, one reply.
-    asked_and_held(&mock, &dm, "are you there?", "second answer").await;
+    let hold = Duration::from_secs(4);
+    asked_and_held(&mock, &dm, "are you there?", "second answer", hold).await;
     let pids = claude_pids(&prompt);
     assert!(!pids.is_empty(), "no claude process found");
     for pid in pids.split_whitespace() {
@@ -270,9 +272,15 @@ async fn an_operators_encrypted_dm_is_answered_once_even_when_the_cli_is_killed(
 }
 
 /// Ann says `text` in `dm`, and her turn's request reaches the API, which holds its answer
-/// back 4 s (`answer`, scripted for it and for a retry).
-async fn asked_and_held(mock: &MockApi, dm: &matrix_sdk::Room, text: &str, answer: &str) {
-    mock.inject(Fault::Delay(Duration::from_secs(4)));
+/// back `hold` (`answer`, scripted for it and for a retry).
+async fn asked_and_held(
+    mock: &MockApi,
+    dm: &matrix_sdk::Room,
+    text: &str,
+    answer: &str,
+    hold: Duration,
+) {
+    mock.inject(Fault::Delay(hold));
     let say = serde_json::json!({"say": [{"room": dm.room_id().to_string(), "text": answer}]});
     mock.script(say.clone());
     mock.script(say);
@@ -319,7 +327,8 @@ async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
     wait_for_reply(ann, &dm, "hello ann", Duration::from_secs(90)).await;
 
     // Her next turn's request reaches the API, whose answer takes 4 s; the gateway dies.
-    asked_and_held(&mock, &dm, "are you there?", "second answer").await;
+    let hold = Duration::from_secs(4);
+    asked_and_held(&mock, &dm, "are you there?", "second answer", hold).await;
     assert!(!claude_pids(&prompt).is_empty(), "no claude process found");
     // Long enough for the CLI to have written the turn's text into her transcript.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -363,6 +372,43 @@ async fn kill_9_of_the_gateway_mid_turn_leaves_no_claude_behind() {
         claude_pids(&prompt).is_empty(),
         "a claude process outlived a clean stop"
     );
+}
+
+/// She shows as typing for as long as her turn lasts: a typing notice lasts 4 s and a turn
+/// with a real model longer (here the API holds its answer 20 s), so the gateway renews it;
+/// it is taken down when the turn ends. Before, it lapsed 4 s into the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn her_typing_notice_lasts_as_long_as_her_turn() {
+    use matrix_sdk::ruma::events::typing::SyncTypingEvent;
+    let scene = Scene::new("run-typing", Limits::Relaxed).await;
+    let ann = &scene.ann;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (config, _) = vera_live(&scene, &mock, 800, "");
+    let gw = GatewayProcess::start(&config);
+    let dm = open_dm(ann, &gw).await;
+    // Who ann's client last saw typing in the DM, from every sync the test makes.
+    let typing: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let seen = typing.clone();
+    ann.add_room_event_handler(dm.room_id(), move |ev: SyncTypingEvent| {
+        let seen = seen.clone();
+        async move {
+            *seen.lock().unwrap() = ev.content.user_ids.iter().map(|u| u.to_string()).collect();
+        }
+    });
+    let now_typing = || typing.lock().unwrap().clone();
+    // Synapse drops a lapsed notice on a 5 s timer: 4 s may show as up to 9 s.
+    let hold = Duration::from_secs(20);
+    asked_and_held(&mock, &dm, "think it over", "thought over", hold).await;
+    for i in [4, 8, 12, 16] {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        tests::matrix::sync(ann).await;
+        assert_eq!(now_typing(), ["@vera:localhost"], "{i} s into her turn");
+    }
+    let got = wait_for_reply(ann, &dm, "thought over", Duration::from_secs(60)).await;
+    assert_eq!(got, ["thought over"]);
+    tests::matrix::sync(ann).await;
+    assert!(now_typing().is_empty(), "{:?}", now_typing());
+    assert_eq!(gw.stop().code(), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
