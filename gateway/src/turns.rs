@@ -90,6 +90,15 @@ pub enum TurnError {
     /// Her credential file cannot be read.
     #[error("her model credential cannot be read: {0}")]
     Credential(String),
+    /// A fresh session refused the batch as too long for the model's context window: the
+    /// turn loop splits it, or cuts its one message ([`TurnLoop::drain`]).
+    #[error("a fresh session refused {deliveries} message(s) of {bytes} bytes as too long for the model's context window")]
+    TooLong {
+        /// Deliveries in the batch.
+        deliveries: usize,
+        /// Their text's bytes.
+        bytes: usize,
+    },
     /// A say could not be sent now (homeserver down, retries exhausted).
     #[error("say {request_id} not sent yet: {error}")]
     Send {
@@ -109,6 +118,7 @@ impl TurnError {
             Self::Api(_) => "api_error",
             Self::Unauthorized => "unauthorized",
             Self::Credential(_) => "credential_unreadable",
+            Self::TooLong { .. } => "too_long",
             Self::Send { .. } => "send_failed",
         }
     }
@@ -251,6 +261,39 @@ pub struct TurnLoop {
     /// A turn the model API failed on: its id, the session whose transcript holds its text,
     /// the status.
     failed: Option<ApiFailure>,
+    /// After a batch that no session could hold: how much of it the next turn takes.
+    shrink: Option<Shrink>,
+}
+
+/// How much of a batch that no session could hold the next turn takes: half of it, and a
+/// lone message cut to half its text, until it fits. Cleared once a turn goes through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shrink {
+    /// The first this many deliveries.
+    Deliveries(usize),
+    /// Delivery `seq` alone, its text cut to `bytes`.
+    Cut { seq: u64, bytes: usize },
+}
+
+/// A message is not cut below this: a fresh session that cannot hold even this much has no
+/// room for mail at all (her doctrine and state fill the window).
+const MIN_CUT_BYTES: usize = 1024;
+
+/// `d`'s text cut to `bytes` (at a character boundary), saying so.
+fn cut(d: &mut Delivery, bytes: usize) {
+    let whole = d.text.len();
+    if whole <= bytes {
+        return;
+    }
+    let at = (0..=bytes)
+        .rev()
+        .find(|&i| d.text.is_char_boundary(i))
+        .unwrap_or(0);
+    d.text.truncate(at);
+    d.text.push_str(&format!(
+        "\n[cut by the gateway: the first {at} of its {whole} bytes; the whole message does not fit your context window]"
+    ));
+    d.truncated = true;
 }
 
 /// A turn the model API failed on after the CLI's own retries (or interrupted past its
@@ -364,6 +407,7 @@ impl TurnLoop {
             prompt_tokens,
             fired: None,
             failed,
+            shrink: None,
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -627,7 +671,47 @@ impl TurnLoop {
                     .collect(),
                 _ => render::next_batch(&page.deliveries, self.persona.session.max_batch).to_vec(),
             };
-            self.turn(&batch).await?;
+            let mut batch = batch;
+            match self.shrink {
+                Some(Shrink::Deliveries(n)) => batch.truncate(n),
+                Some(Shrink::Cut { seq, bytes }) => {
+                    batch.truncate(1);
+                    if let Some(d) = batch.first_mut().filter(|d| d.seq == seq) {
+                        cut(d, bytes);
+                    }
+                }
+                None => {}
+            }
+            match self.turn(&batch).await {
+                // Nothing of it was shown to her: take less, in a new session (the refused
+                // text may be in the old one's transcript).
+                Err(e @ TurnError::TooLong { .. }) => {
+                    let shrink = match batch.as_slice() {
+                        [] => None,
+                        [one] => {
+                            let bytes = match self.shrink {
+                                Some(Shrink::Cut { seq, bytes }) if seq == one.seq => bytes / 2,
+                                _ => one.text.len() / 2,
+                            };
+                            (bytes >= MIN_CUT_BYTES).then_some(Shrink::Cut {
+                                seq: one.seq,
+                                bytes,
+                            })
+                        }
+                        many => Some(Shrink::Deliveries(many.len() / 2)),
+                    };
+                    tracing::warn!(persona = %id, error = %e, ?shrink, "batch too long for a fresh session; taking less");
+                    self.fresh_start("the batch does not fit her context window")?;
+                    if shrink.is_none() {
+                        return Err(e);
+                    }
+                    self.shrink = shrink;
+                }
+                r => {
+                    r?;
+                    self.shrink = None;
+                }
+            }
         }
     }
 
@@ -1259,8 +1343,11 @@ impl TurnLoop {
                 }
             }
         };
+        // A session that starts with this batch holds nothing a compaction or a fresh start
+        // could take out.
+        let new_session = self.status.session_id.is_none();
         let mut turn = self.run_cli(&text).await;
-        if Self::too_long(&turn) {
+        if Self::too_long(&turn) && !new_session {
             // Refused as too long: compact and retry the same batch once; then start fresh.
             self.seen = seen_before;
             self.compact("the session refused the turn (context full)")
@@ -1274,6 +1361,12 @@ impl TurnLoop {
             }
         }
         typing.stop().await;
+        if Self::too_long(&turn) {
+            return Err(TurnError::TooLong {
+                deliveries: batch.len(),
+                bytes: batch.iter().map(|d| d.text.len()).sum(),
+            });
+        }
         let turn = turn?;
         let res = &turn.result;
         if res.outcome() == Outcome::ApiError {
@@ -1784,4 +1877,30 @@ fn prices_for(persona: &Persona, model: &str) -> Prices {
         tracing::warn!(persona = %persona.id, model, "no published prices known for this model; costing it as Sonnet (set [persona.session.prices])");
         Prices::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_message_keeps_whole_characters_and_says_how_much_it_shows() {
+        let mut d = Delivery {
+            text: "é".repeat(1000),
+            ..Delivery::default()
+        };
+        cut(&mut d, 1001);
+        // 1001 bytes would split an "é" (two bytes): 1000 are kept.
+        assert!(d.text.starts_with(&"é".repeat(500)));
+        assert!(d.text.ends_with(
+            "[cut by the gateway: the first 1000 of its 2000 bytes; the whole message does not fit your context window]"
+        ));
+        assert!(d.truncated);
+        let mut short = Delivery {
+            text: "hi".into(),
+            ..Delivery::default()
+        };
+        cut(&mut short, 1024);
+        assert_eq!((short.text.as_str(), short.truncated), ("hi", false));
+    }
 }

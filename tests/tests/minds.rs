@@ -10,7 +10,8 @@
 //! - a turn refused as too long compacts first (also as the first thing after a restart of the
 //!   gateway, billed as the API billed it), then starts fresh;
 //! - a reply naming a room not hers sends nothing, and her next batch carries the correction,
-//!   across a restart of the gateway; a say the homeserver refuses is named in her next batch.
+//!   across a restart of the gateway; a say the homeserver refuses is named in her next batch;
+//! - a batch no session can hold is split, and a message too long alone is cut, saying so.
 
 use std::time::{Duration, Instant};
 
@@ -1062,5 +1063,111 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
         from_vera(ann, &lobby).await,
         ["hello from the lobby", "noted", "and on"]
     );
+    assert!(gw.stop().success());
+}
+
+/// A batch no session can hold (three long pastes, with a small model window) is not lost:
+/// the gateway splits it, so every message reaches her; a message too long on its own is cut
+/// to what fits, and she is told it was cut. Before, the batch was refused by a compacted and
+/// then a fresh session, acked, and never shown to her.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_is_cut() {
+    let scene = Scene::new("minds-toolong", Limits::Relaxed).await;
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mt-lobby").await;
+    let mock = MockApi::start(MockConfig {
+        context_window: 15_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &scene.url,
+        &scene.vera_token,
+        &["#mt-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
+    let gw = GatewayProcess::start(&config);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !has_joined(ann, &lobby, vera).await {
+        assert!(
+            Instant::now() < deadline,
+            "vera did not join:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // The requests the API answered that showed her `needle`.
+    let shown = |needle: &str| {
+        mock.ledger()
+            .iter()
+            .filter(|e| e.status == 200 && e.last_user_text.contains(needle))
+            .count()
+    };
+    async fn wait_shown(mock: &MockApi, gw: &GatewayProcess, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !mock
+            .ledger()
+            .iter()
+            .any(|e| e.status == 200 && e.last_user_text.contains(needle))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{needle:?} never reached her:\n{}",
+                gw.log()
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    // Three pastes of 20 KB (5k tokens each to the mock), sent together: with her doctrine
+    // and tools, more than the 15k-token window in one batch.
+    let paste = |i: usize| format!("paste {i}: {}", "lorem ipsum ".repeat(1700));
+    for i in 0..3 {
+        lobby
+            .send(RoomMessageEventContent::text_plain(paste(i)))
+            .await
+            .unwrap();
+    }
+    for i in 0..3 {
+        wait_shown(&mock, &gw, &format!("paste {i}: lorem")).await;
+    }
+    let refused = mock.ledger().iter().filter(|e| e.status == 400).count();
+    assert!(refused >= 1, "the three did not overflow a session");
+    // One paste of 56 KB: alone more than the window, so it is cut to what fits.
+    let big = format!("the big one: {}", "dolor sit amet ".repeat(3800));
+    lobby
+        .send(RoomMessageEventContent::text_plain(&big))
+        .await
+        .unwrap();
+    wait_shown(&mock, &gw, "the big one: dolor").await;
+    let cut = mock
+        .ledger()
+        .into_iter()
+        .rfind(|e| e.status == 200)
+        .unwrap()
+        .last_user_text;
+    let note = format!(
+        "of its {} bytes; the whole message does not fit your context window]",
+        big.len()
+    );
+    assert!(
+        cut.contains(&note),
+        "{}",
+        &cut[cut.len().saturating_sub(400)..]
+    );
+    // Every message was shown to her once, and no turn ended without her reply.
+    for i in 0..3 {
+        assert_eq!(shown(&format!("paste {i}: lorem")), 1, "paste {i}");
+    }
+    turns_total(&dir, 3, &gw).await;
+    let history =
+        gateway::turns::read_history(&dir.join("state/personas/vera/turns.jsonl")).unwrap();
+    for r in &history {
+        assert!(!r.outcome.contains("without a structured reply"), "{r:?}");
+    }
     assert!(gw.stop().success());
 }
