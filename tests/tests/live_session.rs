@@ -411,6 +411,60 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
     cli.shutdown(Duration::from_secs(5)).await;
 }
 
+/// What the CLI (2.1.332) does with a turn the API refused as too long, then `/compact`: the
+/// refused message stays in its conversation; the summary request that includes it is too
+/// long too, so the CLI summarizes the turns before it and keeps it verbatim after the
+/// summary, where the next turn sends it again. (So the gateway's retry of a refused batch
+/// after compacting can show her the batch twice; a retry that fits is rare, as it needs the
+/// batch to fit twice beside the summary. Noted in stop 30's note, not handled.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_turn_is_kept_verbatim_past_the_compaction_after_it() {
+    let mock = MockApi::start(MockConfig {
+        context_window: 40_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let scratch = tests::ScratchDir::new("refused-compact");
+    let dir = scratch.path().to_path_buf();
+    let mut cli = Cli::spawn(config(&mock, &dir)).await.expect("CLI ready");
+    let mut seen = Seen::default();
+    let long = "a long line of chat that fills the conversation ".repeat(100);
+    for seq in 1..=2 {
+        let text = render(
+            &[delivery(seq, &format!("earlier {seq} {long}"))],
+            &mut seen,
+            &[],
+        );
+        let t = cli.turn(&text).await.unwrap();
+        assert!(!t.result.is_error, "{:?}", t.result);
+    }
+    // ~16k tokens: with the ~25k-token doctrine, past the 40k window.
+    let huge = "the refused one ".repeat(4000);
+    let refused = cli
+        .turn(&render(&[delivery(3, &huge)], &mut seen, &[]))
+        .await
+        .unwrap();
+    assert_eq!(refused.result.outcome(), Outcome::PromptTooLong);
+    let from = mock.ledger().len();
+    let c = cli.compact().await.unwrap();
+    assert!(
+        c.compacted.is_some() && !c.result.is_error,
+        "{:?}",
+        c.result
+    );
+    cli.turn("[note] go on").await.unwrap();
+    let holds = |e: &tests::mock_api::LedgerEntry| e.user_text.contains(&huge);
+    let requests: Vec<(u16, bool)> = mock.ledger()[from..]
+        .iter()
+        .map(|e| (e.status, holds(e)))
+        .collect();
+    // The summary request with it (too long), the one without it, then the next turn, which
+    // carries it again (too long here as well).
+    assert_eq!(requests, [(400, true), (200, false), (400, true)]);
+    cli.shutdown(Duration::from_secs(5)).await;
+}
+
 /// Keep-warm over hours: every refresh reads the conversation's own entry (not the one the
 /// previous refresh wrote), so after five refreshes spanning five hours the next turn, in a
 /// resumed process, still reads the whole conversation from the cache.
