@@ -43,6 +43,7 @@ use serde::Serialize;
 use session::cost::{Prices, Usage};
 use session::driver::{Cli, CliConfig, DriverError, Turn};
 use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
+use session::proto::CompactMetadata;
 use session::render::{self, Note, ReplySchema, Seen};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -735,7 +736,7 @@ impl TurnLoop {
                         tracing::warn!(persona = %self.persona.id, error = %e, "checkpoint turn failed; compacting anyway");
                     }
                     match self.compact("operator").await {
-                        Ok(()) if self.status.session_id.is_some() => {
+                        Ok(Some(_)) => {
                             tracing::info!(
                                 before,
                                 after = self.telemetry.prefix_tokens,
@@ -743,7 +744,7 @@ impl TurnLoop {
                             );
                             Ok(())
                         }
-                        Ok(()) => {
+                        Ok(None) => {
                             Err("the CLI did not compact; she starts fresh instead".to_owned())
                         }
                         Err(e) => Err(e.to_string()),
@@ -956,12 +957,13 @@ impl TurnLoop {
         }
     }
 
-    /// Compacts her conversation with the CLI's `/compact`; when the CLI does not compact
-    /// (an error, no boundary), starts fresh instead. The summary is her memory of the lines
-    /// she saw, so they are not sent again as context: with a large `context_bytes` that would
-    /// write back much of what the compaction took out (the session benchmark's long
-    /// conversation compacted five times instead of three and cost 1.12x resume-per-turn).
-    async fn compact(&mut self, why: &str) -> Result<(), TurnError> {
+    /// Compacts her conversation with the CLI's `/compact` and returns its boundary; when the
+    /// CLI does not compact (an error, no boundary), starts fresh instead and returns `None`.
+    /// The summary is her memory of the lines she saw, so they are not sent again as context:
+    /// with a large `context_bytes` that would write back much of what the compaction took out
+    /// (the session benchmark's long conversation compacted five times instead of three and
+    /// cost 1.12x resume-per-turn).
+    async fn compact(&mut self, why: &str) -> Result<Option<CompactMetadata>, TurnError> {
         let started = Instant::now();
         // A failed turn's text is summarized with the rest: its retry sends the batch again.
         self.set_failed(None);
@@ -1003,6 +1005,7 @@ impl TurnLoop {
                 );
                 self.status.compactions += 1;
                 self.keep_learned(SUMMARIES, &self.telemetry.summaries);
+                return Ok(Some(m));
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
@@ -1023,7 +1026,7 @@ impl TurnLoop {
                 self.fresh_start(why)?;
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     async fn run_cli(&mut self, text: &str) -> Result<Turn, TurnError> {
@@ -1350,9 +1353,33 @@ impl TurnLoop {
         if Self::too_long(&turn) && !new_session {
             // Refused as too long: compact and retry the same batch once; then start fresh.
             self.seen = seen_before;
-            self.compact("the session refused the turn (context full)")
+            // The refused message, as her transcript names it.
+            let refused = match (&self.status.session_id, render::batch_header(&text)) {
+                (Some(session), Some(header)) => {
+                    session::driver::transcript_user_message(&self.base, session, header)
+                }
+                _ => None,
+            };
+            let compacted = self
+                .compact("the session refused the turn (context full)")
                 .await?;
-            let text = self.compose(batch, &stored);
+            // A refused turn stays in the CLI's conversation, and when it did not fit the
+            // summary request either the compaction keeps it verbatim past the summary
+            // (`live_session::a_refused_turn_is_kept_verbatim_past_the_compaction_after_it`):
+            // sent again, she would see the batch twice.
+            let kept = compacted
+                .zip(refused)
+                .is_some_and(|(m, id)| m.preserved_messages.uuids.contains(&id));
+            let text = if kept {
+                tracing::info!("the compaction kept the refused batch; retrying without it");
+                render::render(batch, &mut self.seen, &[]);
+                self.retry_text(
+                    None,
+                    "the batch above was refused as too long for your context window, and your conversation before it was compacted",
+                )
+            } else {
+                self.compose(batch, &stored)
+            };
             turn = self.run_cli(&text).await;
             if Self::too_long(&turn) {
                 self.fresh_start("the session refused the turn again after compacting")?;

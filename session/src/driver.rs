@@ -279,25 +279,43 @@ fn die_with_parent(_cmd: &mut Command) {}
 /// message is written as the turn starts, racing the kill), so the caller looks before it
 /// sends the turn's batch again. An unreadable or missing transcript holds nothing.
 pub fn transcript_holds(cfg: &CliConfig, session_id: &str, needle: &str) -> bool {
+    transcript_tail(cfg, session_id).is_some_and(|tail| {
+        tail.windows(needle.len().max(1))
+            .any(|w| w == needle.as_bytes())
+    })
+}
+
+/// The `uuid` of the last user message in her session's transcript (its last few MiB) whose
+/// line holds `needle`: how a compaction's [`proto::Preserved`] names it, so the caller can
+/// tell whether a compaction kept that message verbatim.
+pub fn transcript_user_message(cfg: &CliConfig, session_id: &str, needle: &str) -> Option<String> {
+    let tail = transcript_tail(cfg, session_id)?;
+    tail.rsplit(|&b| b == b'\n')
+        .filter(|line| {
+            line.windows(needle.len().max(1))
+                .any(|w| w == needle.as_bytes())
+        })
+        .filter_map(|line| serde_json::from_slice::<serde_json::Value>(line).ok())
+        .filter(|v| v["type"] == "user")
+        .filter_map(|v| v["uuid"].as_str().map(str::to_owned))
+        .next()
+}
+
+/// The last few MiB of her session's transcript, if it can be read.
+fn transcript_tail(cfg: &CliConfig, session_id: &str) -> Option<Vec<u8>> {
     use std::io::{Read, Seek, SeekFrom};
     /// The tail read: a turn's batch is far smaller, and it is the last thing written.
     const TAIL: u64 = 4 << 20;
     let file = format!("{session_id}.jsonl");
-    let Ok(projects) = std::fs::read_dir(cfg.config_dir.join("projects")) else {
-        return false;
-    };
-    projects.flatten().any(|project| {
-        let Ok(mut f) = std::fs::File::open(project.path().join(&file)) else {
-            return false;
-        };
+    let projects = std::fs::read_dir(cfg.config_dir.join("projects")).ok()?;
+    projects.flatten().find_map(|project| {
+        let mut f = std::fs::File::open(project.path().join(&file)).ok()?;
         let len = f.metadata().map_or(0, |m| m.len());
         let mut tail = Vec::new();
         f.seek(SeekFrom::Start(len.saturating_sub(TAIL)))
             .and_then(|_| f.read_to_end(&mut tail))
-            .is_ok()
-            && tail
-                .windows(needle.len().max(1))
-                .any(|w| w == needle.as_bytes())
+            .ok()?;
+        Some(tail)
     })
 }
 

@@ -67,6 +67,17 @@ pub struct CompactMetadata {
     /// Tokens after (the summary and what was kept).
     #[serde(default)]
     pub post_tokens: u64,
+    /// The messages kept verbatim past the summary (their transcript `uuid`s).
+    #[serde(default)]
+    pub preserved_messages: Preserved,
+}
+
+/// `compact_metadata.preserved_messages`: what a compaction kept verbatim.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Preserved {
+    /// The kept messages' `uuid`s, as the transcript names them.
+    #[serde(default)]
+    pub uuids: Vec<String>,
 }
 
 /// `type: assistant` / `type: user`.
@@ -449,6 +460,10 @@ mod tests {
                 boundary.post_tokens
             ),
             ("manual", 480, 514)
+        );
+        assert_eq!(
+            boundary.preserved_messages.uuids,
+            ["049016ac-30b4-40ac-9f81-b866db2039cf"]
         );
         assert!(events("ctrlinit.stdout.jsonl")
             .iter()

@@ -441,18 +441,18 @@ async fn a_refused_turn_is_kept_verbatim_past_the_compaction_after_it() {
     }
     // ~16k tokens: with the ~25k-token doctrine, past the 40k window.
     let huge = "the refused one ".repeat(4000);
-    let refused = cli
-        .turn(&render(&[delivery(3, &huge)], &mut seen, &[]))
-        .await
-        .unwrap();
+    let text = render(&[delivery(3, &huge)], &mut seen, &[]);
+    let refused = cli.turn(&text).await.unwrap();
     assert_eq!(refused.result.outcome(), Outcome::PromptTooLong);
+    let sid = cli.session_id().unwrap().to_owned();
+    let header = session::render::batch_header(&text).unwrap();
+    let uuid = session::driver::transcript_user_message(&config(&mock, &dir), &sid, header)
+        .expect("the refused message in her transcript");
     let from = mock.ledger().len();
     let c = cli.compact().await.unwrap();
-    assert!(
-        c.compacted.is_some() && !c.result.is_error,
-        "{:?}",
-        c.result
-    );
+    assert!(!c.result.is_error, "{:?}", c.result);
+    let kept = c.compacted.expect("a boundary").preserved_messages.uuids;
+    assert!(kept.contains(&uuid), "{uuid} not in {kept:?}");
     cli.turn("[note] go on").await.unwrap();
     let holds = |e: &tests::mock_api::LedgerEntry| e.user_text.contains(&huge);
     let requests: Vec<(u16, bool)> = mock.ledger()[from..]

@@ -11,7 +11,8 @@
 //!   gateway, billed as the API billed it), then starts fresh;
 //! - a reply naming a room not hers sends nothing, and her next batch carries the correction,
 //!   across a restart of the gateway; a say the homeserver refuses is named in her next batch;
-//! - a batch no session can hold is split, and a message too long alone is cut, saying so.
+//! - a batch no session can hold is split, and a message too long alone is cut, saying so; a
+//!   refused batch the compaction kept verbatim is retried as a note, not sent twice.
 
 use std::time::{Duration, Instant};
 
@@ -1101,19 +1102,22 @@ async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    // The requests the API answered that showed her `needle`.
-    let shown = |needle: &str| {
+    // How often each request the API answered showed her `needle` (her history is sent
+    // whole each turn, so a line of hers is in every later request of its session).
+    let shown = |needle: &str| -> Vec<usize> {
         mock.ledger()
             .iter()
-            .filter(|e| e.status == 200 && e.last_user_text.contains(needle))
-            .count()
+            .filter(|e| e.status == 200)
+            .map(|e| e.user_text.matches(needle).count())
+            .filter(|&n| n > 0)
+            .collect()
     };
     async fn wait_shown(mock: &MockApi, gw: &GatewayProcess, needle: &str) {
         let deadline = Instant::now() + Duration::from_secs(120);
         while !mock
             .ledger()
             .iter()
-            .any(|e| e.status == 200 && e.last_user_text.contains(needle))
+            .any(|e| e.status == 200 && e.user_text.contains(needle))
         {
             assert!(
                 Instant::now() < deadline,
@@ -1159,9 +1163,14 @@ async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_
         "{}",
         &cut[cut.len().saturating_sub(400)..]
     );
-    // Every message was shown to her once, and no turn ended without her reply.
+    // Every message was shown to her once (no request held one twice), and no turn ended
+    // without her reply.
     for i in 0..3 {
-        assert_eq!(shown(&format!("paste {i}: lorem")), 1, "paste {i}");
+        let each = shown(&format!("paste {i}: lorem"));
+        assert!(
+            !each.is_empty() && each.iter().all(|&n| n == 1),
+            "paste {i}: {each:?}"
+        );
     }
     turns_total(&dir, 3, &gw).await;
     let history =
@@ -1169,5 +1178,88 @@ async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_
     for r in &history {
         assert!(!r.outcome.contains("without a structured reply"), "{r:?}");
     }
+    assert!(gw.stop().success());
+}
+
+/// A batch refused as too long in a session it almost fits: the compaction after it keeps the
+/// refused message verbatim past its summary (the CLI's way), so the retry names it in a
+/// `[retry]` note instead of sending it again, and she sees it once. Before, the retry sent
+/// the batch again and, with room for both, she was shown it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_as_too_long_is_not_shown_twice_after_the_compaction() {
+    let scene = Scene::new("minds-kept", Limits::Relaxed).await;
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "mk-lobby").await;
+    let mock = MockApi::start(MockConfig {
+        context_window: 15_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&dir, &mock, 800, "");
+    let config = write_config(
+        &dir,
+        &scene.url,
+        &scene.vera_token,
+        &["#mk-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
+    let gw = GatewayProcess::start(&config);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !has_joined(ann, &lobby, vera).await {
+        assert!(
+            Instant::now() < deadline,
+            "vera did not join:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Her conversation grows to ~13k of the 15k-token window, a turn at a time.
+    let mut turns = 0;
+    while mock.ledger().last().map_or(0, |e| e.prompt_tokens) < 12_000 {
+        turns += 1;
+        let line = format!("chat {turns}: {}", "amet consectetur ".repeat(550));
+        lobby
+            .send(RoomMessageEventContent::text_plain(line))
+            .await
+            .unwrap();
+        turns_total(&dir, turns, &gw).await;
+    }
+    let last = mock.ledger().last().unwrap().clone();
+    assert_eq!(last.status, 200);
+    // Past the window with her conversation, but it fits twice beside a summary.
+    let tokens = 15_000 - (last.prompt_tokens + last.usage.output) + 800;
+    let long = format!("the long one: {}", "x".repeat(4 * tokens as usize));
+    let from = mock.ledger().len();
+    lobby
+        .send(RoomMessageEventContent::text_plain(&long))
+        .await
+        .unwrap();
+    turns_total(&dir, turns + 1, &gw).await;
+    let requests: Vec<(u16, usize)> = mock.ledger()[from..]
+        .iter()
+        .map(|e| (e.status, e.user_text.matches(&long).count()))
+        .collect();
+    // Refused; the summary request with it too long as well, then without it; the retry.
+    assert_eq!(
+        requests[..3],
+        [(400, 1), (400, 1), (200, 0)],
+        "{requests:?}"
+    );
+    assert_eq!(
+        requests.last(),
+        Some(&(200, 1)),
+        "{requests:?}\n{}",
+        gw.log()
+    );
+    let retry = mock.ledger().last().unwrap().last_user_text.clone();
+    assert!(
+        retry.contains("[retry] the batch above was refused as too long"),
+        "{retry}"
+    );
+    let st = status(&dir);
+    assert_eq!(st["compactions"].as_u64(), Some(1), "{st}");
     assert!(gw.stop().success());
 }
