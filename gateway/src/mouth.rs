@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use matrix_sdk::ruma::api::client::receipt::create_receipt::v3::ReceiptType;
 use matrix_sdk::ruma::events::receipt::ReceiptThread;
+use matrix_sdk::ruma::events::room::message::FormattedBody;
 use matrix_sdk::ruma::{OwnedEventId, OwnedRoomId, OwnedTransactionId, RoomAliasId};
 use matrix_sdk::{Client, Room, RoomState};
 use serde_json::{json, Value};
@@ -112,9 +113,22 @@ pub fn txn_id(persona: &str, request_id: &str) -> String {
     format!("cg1-{}", crate::config::hex(&digest[..16]))
 }
 
-/// The `m.room.message` content for a send: plain text, in a thread and/or replying.
+/// The most a send's `body` and `formatted_body` hold together (bytes): an event is capped at
+/// 64 KiB, and an encrypted one carries its content as base64 (4/3 of it) in a JSON wrapper.
+pub const MAX_FORMATTED_BYTES: usize = 40 * 1024;
+
+/// The `m.room.message` content for a send: text (with its Markdown rendered as HTML when it
+/// has any), in a thread and/or replying.
 pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) -> Value {
     let mut c = json!({"msgtype": "m.text", "body": text});
+    // Her replies are written in Markdown: clients show `formatted_body` (and sanitize it),
+    // the plain `body` stays the source. Left out when the two would not fit an event.
+    if let Some(html) = FormattedBody::markdown(text) {
+        if text.len() + html.body.len() <= MAX_FORMATTED_BYTES {
+            c["format"] = json!("org.matrix.custom.html");
+            c["formatted_body"] = json!(html.body);
+        }
+    }
     match (thread_root, reply_to) {
         (Some(root), reply) => {
             c["m.relates_to"] = json!({
@@ -429,6 +443,34 @@ mod tests {
         let tr = content("hi", Some("$root"), Some("$q"));
         assert_eq!(tr["m.relates_to"]["is_falling_back"], false);
         assert_eq!(tr["m.relates_to"]["m.in_reply_to"]["event_id"], "$q");
+    }
+
+    #[test]
+    fn markdown_is_rendered_beside_its_source_when_it_fits() {
+        let c = content("**bold** and `code`", None, Some("$q"));
+        assert_eq!(c["body"], "**bold** and `code`");
+        assert_eq!(c["format"], "org.matrix.custom.html");
+        assert_eq!(
+            c["formatted_body"],
+            "<strong>bold</strong> and <code>code</code>"
+        );
+        assert_eq!(c["m.relates_to"]["m.in_reply_to"]["event_id"], "$q");
+        let list = content("- one\n- two", None, None);
+        assert_eq!(
+            list["formatted_body"],
+            "<ul>\n<li>one</li>\n<li>two</li>\n</ul>\n"
+        );
+        // Plain text stays plain; line breaks alone are no reason for HTML.
+        assert_eq!(
+            content("just words\non two lines", None, None),
+            json!({"msgtype": "m.text", "body": "just words\non two lines"})
+        );
+        // The longest text the mouth sends, all Markdown: too big beside its HTML for one
+        // event, so it goes as its source alone.
+        let long = "*x* ".repeat(MAX_TEXT_BYTES / 4);
+        let c = content(&long, None, None);
+        assert!(c.get("formatted_body").is_none() && c.get("format").is_none());
+        assert_eq!(c["body"], long.as_str());
     }
 
     #[test]

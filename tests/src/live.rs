@@ -47,21 +47,34 @@ pub async fn said_by(
     room: &matrix_sdk::Room,
     user: &str,
 ) -> Vec<String> {
+    contents_by(reader, room, user)
+        .await
+        .iter()
+        .filter_map(|c| c["body"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The contents of the messages `user` sent in `room` (the last 100), oldest first, as
+/// `reader` sees them.
+pub async fn contents_by(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+) -> Vec<serde_json::Value> {
     sync(reader).await;
     let mut opts = matrix_sdk::room::MessagesOptions::backward();
     opts.limit = 100u32.into();
     let msgs = room.messages(opts).await.unwrap();
-    let mut bodies: Vec<String> = msgs
+    let mut contents: Vec<serde_json::Value> = msgs
         .chunk
         .iter()
         .filter_map(|e| {
             let v: serde_json::Value = serde_json::from_str(e.raw().json().get()).ok()?;
-            (v["sender"] == user && v["type"] == "m.room.message")
-                .then(|| v["content"]["body"].as_str().map(str::to_owned))?
+            (v["sender"] == user && v["type"] == "m.room.message").then(|| v["content"].clone())
         })
         .collect();
-    bodies.reverse();
-    bodies
+    contents.reverse();
+    contents
 }
 
 /// Waits (up to `within`) until vera has said `text` in `room`; her bodies there.

@@ -1030,10 +1030,16 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
     mock.script(json!({"say": [
         {"room": hall, "text": "an announcement she may not make"},
-        {"room": room, "text": "hello from the lobby"},
+        {"room": room, "text": "**hello** from the lobby"},
     ]}));
     lobby.send(chat("hello")).await.unwrap();
-    wait_for_reply(ann, &lobby, "hello from the lobby", Duration::from_secs(90)).await;
+    wait_for_reply(
+        ann,
+        &lobby,
+        "**hello** from the lobby",
+        Duration::from_secs(90),
+    )
+    .await;
     turns_total(&dir, 1, &gw).await;
     let turn = &status(&dir)["turns"][0];
     assert_eq!(turn["says"], 1, "{turn}");
@@ -1062,7 +1068,19 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
     assert!(from_vera(ann, &notices).await.is_empty());
     assert_eq!(
         from_vera(ann, &lobby).await,
-        ["hello from the lobby", "noted", "and on"]
+        ["**hello** from the lobby", "noted", "and on"]
+    );
+    // Her Markdown is rendered for clients beside its source; plain text stays plain.
+    let contents = tests::live::contents_by(ann, &lobby, "@vera:localhost").await;
+    assert_eq!(
+        contents[0]["formatted_body"],
+        "<strong>hello</strong> from the lobby"
+    );
+    assert_eq!(contents[0]["format"], "org.matrix.custom.html");
+    assert!(
+        contents[1].get("formatted_body").is_none(),
+        "{}",
+        contents[1]
     );
     assert!(gw.stop().success());
 }
