@@ -266,6 +266,21 @@ pub struct TurnLoop {
     shrink: Option<Shrink>,
 }
 
+/// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
+/// process's clock (`now` is `now_ms`): her silence ends when the batch's first message was
+/// said, not when the gateway got to it. That differs when the mail waited: through a restart
+/// of the gateway (the gap would hold its downtime), behind a long turn, or the debounce. Not
+/// before `floor` (her last turn: mail said during it ends a gap of none); a time in the
+/// future counts as now.
+fn said_at(now: Instant, now_ms: i64, said_ms: i64, floor: Option<Instant>) -> Instant {
+    let waited = Duration::from_millis(now_ms.saturating_sub(said_ms).max(0) as u64);
+    match (now.checked_sub(waited), floor) {
+        (Some(t), Some(f)) => t.max(f),
+        (Some(t), None) => t,
+        (None, f) => f.unwrap_or(now),
+    }
+}
+
 /// How much of a batch that no session could hold the next turn takes: half of it, and a
 /// lone message cut to half its text, until it fits. Cleared once a turn goes through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -885,10 +900,13 @@ impl TurnLoop {
         self.failed = failed;
     }
 
-    /// Books the gap since her last turn for predictive keep-warm, and stores her gaps so a
-    /// restart keeps what was learned.
-    fn book_gap(&mut self, now: Instant) {
-        if self.telemetry.batch_arrived(now) {
+    /// Books the gap since her last turn for predictive keep-warm, up to when the batch's first
+    /// message was said (`said_ms`, the homeserver's clock), and stores her gaps so a restart
+    /// keeps what was learned.
+    fn book_gap(&mut self, now: Instant, said_ms: i64) {
+        let last = self.telemetry.last_turn_at;
+        let said = said_at(now, crate::ear::unix_ms(), said_ms, last);
+        if self.telemetry.batch_arrived(said) {
             self.keep_learned(GAPS, &self.telemetry.gaps);
         }
     }
@@ -1269,8 +1287,8 @@ impl TurnLoop {
             .collect();
         let typing = self.mouth.typing_while(rooms);
         let started = Instant::now();
-        if span.is_some() {
-            self.book_gap(started);
+        if let Some(first) = batch.first() {
+            self.book_gap(started, first.ts);
         }
         self.telemetry.batch_waiting = true;
         self.telemetry.process = if self.cli.is_some() {
@@ -1909,6 +1927,28 @@ fn prices_for(persona: &Persona, model: &str) -> Prices {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_is_placed_on_this_clock_when_it_was_said() {
+        let now = Instant::now();
+        let now_ms = 1_800_000_000_000;
+        let last = Some(now - Duration::from_secs(60));
+        assert_eq!(
+            said_at(now, now_ms, now_ms - 30_000, last),
+            now - Duration::from_secs(30)
+        );
+        assert_eq!(
+            said_at(now, now_ms, now_ms - 30_000, None),
+            now - Duration::from_secs(30)
+        );
+        // Said during her last turn: her gap is none.
+        assert_eq!(said_at(now, now_ms, now_ms - 90_000, last), last.unwrap());
+        // A homeserver clock ahead of ours: now.
+        assert_eq!(said_at(now, now_ms, now_ms + 5_000, last), now);
+        // A bogus origin_server_ts, as old as can be: her last turn; no panic without one.
+        assert_eq!(said_at(now, now_ms, i64::MIN, last), last.unwrap());
+        assert!(said_at(now, now_ms, i64::MIN, None) <= now);
+    }
 
     #[test]
     fn a_cut_message_keeps_whole_characters_and_says_how_much_it_shows() {

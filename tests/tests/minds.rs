@@ -12,7 +12,8 @@
 //! - a reply naming a room not hers sends nothing, and her next batch carries the correction,
 //!   across a restart of the gateway; a say the homeserver refuses is named in her next batch;
 //! - a batch no session can hold is split, and a message too long alone is cut, saying so; a
-//!   refused batch the compaction kept verbatim is retried as a note, not sent twice.
+//!   refused batch the compaction kept verbatim is retried as a note, not sent twice;
+//! - a gap ends when her mail was said, not when a restarted gateway got to it.
 
 use std::time::{Duration, Instant};
 
@@ -1280,4 +1281,45 @@ async fn a_batch_refused_as_too_long_is_not_shown_twice_after_the_compaction() {
     let st = status(&dir);
     assert_eq!(st["compactions"].as_u64(), Some(1), "{st}");
     assert!(gw.stop().success());
+}
+
+/// Her silence is booked as she kept it, not as the gateway saw it: a message said while the
+/// gateway was down ends her gap when it was said (its origin_server_ts), so the downtime
+/// does not teach the keep-warm rule that she was silent longer than she was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_ends_when_her_mail_was_said_not_when_a_restarted_gateway_got_to_it() {
+    let (scene, lobby, mock, config, gw) = live_in_lobby("minds-gap", "mg-lobby").await;
+    let (ann, dir) = (&scene.ann, scene.dir.clone());
+    let room = lobby.room_id().to_string();
+    let say = |text: &str| json!({"say": [{"room": room, "text": text}]});
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+    mock.script(say("one"));
+    lobby.send(chat("first")).await.unwrap();
+    wait_for_reply(ann, &lobby, "one", Duration::from_secs(90)).await;
+    turns_total(&dir, 1, &gw).await;
+    let last_turn = Instant::now();
+    assert!(gw.stop().success());
+    lobby.send(chat("said while it was down")).await.unwrap();
+    let silence = last_turn.elapsed();
+    // Down for 12 s more.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    mock.script(say("two"));
+    let gw = GatewayProcess::start(&config);
+    wait_for_reply(ann, &lobby, "two", Duration::from_secs(90)).await;
+    turns_total(&dir, 2, &gw).await;
+    assert!(gw.stop().success());
+    let inbox = gateway::inbox::Inbox::open(&dir.join("state/inbox")).unwrap();
+    let gaps: serde_json::Value =
+        serde_json::from_str(&inbox.session_value("vera", "gaps").unwrap().unwrap()).unwrap();
+    let booked = gaps["gaps"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .as_u64()
+        .unwrap();
+    assert!(
+        booked <= silence.as_secs() + 2,
+        "booked {booked} s for a silence of {silence:?} (the gateway was down 12 s more)"
+    );
 }
