@@ -1932,7 +1932,8 @@ mod tests {
     fn a_message_is_placed_on_this_clock_when_it_was_said() {
         let now = Instant::now();
         let now_ms = 1_800_000_000_000;
-        let last = Some(now - Duration::from_secs(60));
+        let turn = now - Duration::from_secs(60);
+        let last = Some(turn);
         assert_eq!(
             said_at(now, now_ms, now_ms - 30_000, last),
             now - Duration::from_secs(30)
@@ -1942,11 +1943,11 @@ mod tests {
             now - Duration::from_secs(30)
         );
         // Said during her last turn: her gap is none.
-        assert_eq!(said_at(now, now_ms, now_ms - 90_000, last), last.unwrap());
+        assert_eq!(said_at(now, now_ms, now_ms - 90_000, last), turn);
         // A homeserver clock ahead of ours: now.
         assert_eq!(said_at(now, now_ms, now_ms + 5_000, last), now);
         // A bogus origin_server_ts, as old as can be: her last turn; no panic without one.
-        assert_eq!(said_at(now, now_ms, i64::MIN, last), last.unwrap());
+        assert_eq!(said_at(now, now_ms, i64::MIN, last), turn);
         assert!(said_at(now, now_ms, i64::MIN, None) <= now);
     }
 
