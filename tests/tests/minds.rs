@@ -811,6 +811,61 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     assert!(gw.stop().success());
 }
 
+/// Vera live against `mock` (a small doctrine) in `rooms` (alias names and rooms ann made),
+/// the gateway started and her joins awaited: her config and the gateway.
+async fn vera_in(
+    scene: &Scene,
+    mock: &MockApi,
+    rooms: &[(&str, &matrix_sdk::Room)],
+) -> (std::path::PathBuf, GatewayProcess) {
+    let (session, _) = live_section(&scene.dir, mock, 800, "");
+    let aliases: Vec<String> = rooms
+        .iter()
+        .map(|(alias, _)| format!("#{alias}:localhost"))
+        .collect();
+    let aliases: Vec<&str> = aliases.iter().map(String::as_str).collect();
+    let config = write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &aliases,
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (_, room) in rooms {
+        while !has_joined(&scene.ann, room, vera).await {
+            assert!(
+                Instant::now() < deadline,
+                "vera did not join:\n{}",
+                gw.log()
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    (config, gw)
+}
+
+/// Vera live in a public room `alias` that ann made, against a mock whose model window is
+/// 15k tokens (her doctrine and tools take ~3k): the scene, the room, the mock, the gateway.
+async fn small_window(
+    name: &str,
+    alias: &str,
+) -> (Scene, matrix_sdk::Room, MockApi, GatewayProcess) {
+    let scene = Scene::new(name, Limits::Relaxed).await;
+    let lobby = public_room(&scene.ann, alias).await;
+    let mock = MockApi::start(MockConfig {
+        context_window: 15_000,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (_, gw) = vera_in(&scene, &mock, &[(alias, &lobby)]).await;
+    (scene, lobby, mock, gw)
+}
+
 /// Vera live (a small doctrine, a fresh mock) in a public room `alias` that ann made: the
 /// scene, the room, the mock, her config and the gateway, started.
 async fn live_in_lobby(
@@ -826,16 +881,7 @@ async fn live_in_lobby(
     let scene = Scene::new(name, Limits::Relaxed).await;
     let lobby = public_room(&scene.ann, alias).await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&scene.dir, &mock, 800, "");
-    let config = write_config(
-        &scene.dir,
-        &scene.url,
-        &scene.vera_token,
-        &[&format!("#{alias}:localhost")],
-        &[],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
+    let (config, gw) = vera_in(&scene, &mock, &[(alias, &lobby)]).await;
     (scene, lobby, mock, config, gw)
 }
 
@@ -955,10 +1001,11 @@ async fn a_turn_refused_as_too_long_compacts_first_then_starts_fresh() {
 async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_restart() {
     let (scene, lobby, mock, config, gw) = live_in_lobby("minds-correct", "mc-lobby").await;
     let (ann, dir) = (&scene.ann, scene.dir.clone());
-    let room = lobby.room_id().to_string();
-    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
     mock.script(json!({"say": [{"room": "!elsewhere:localhost", "text": "lost words"}]}));
-    lobby.send(chat("where do you answer?")).await.unwrap();
+    lobby
+        .send(RoomMessageEventContent::text_plain("where do you answer?"))
+        .await
+        .unwrap();
     turns_total(&dir, 1, &gw).await;
     let turn = &status(&dir)["turns"][0];
     assert_eq!(turn["says"], 0, "{turn}");
@@ -972,12 +1019,39 @@ async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_rest
 
     let gw = GatewayProcess::start(&config);
     let correction = "[correction] your last reply was not sent: \"!elsewhere:localhost\" is not one of your rooms";
-    for (i, text) in ["here, then", "and again"].into_iter().enumerate() {
+    corrected_once(
+        &mock,
+        &gw,
+        ann,
+        &lobby,
+        correction,
+        ["here, then", "and again"],
+    )
+    .await;
+    assert_eq!(from_vera(ann, &lobby).await, ["here, then", "and again"]);
+    assert!(gw.stop().success());
+}
+
+/// Two more batches in `lobby`, answered with `texts`: the first carries `correction`, the
+/// second no longer does.
+async fn corrected_once(
+    mock: &MockApi,
+    gw: &GatewayProcess,
+    ann: &matrix_sdk::Client,
+    lobby: &matrix_sdk::Room,
+    correction: &str,
+    texts: [&str; 2],
+) {
+    for (i, text) in texts.into_iter().enumerate() {
         let from = mock.ledger().len();
+        let room = lobby.room_id().to_string();
         mock.script(json!({"say": [{"room": room, "text": text}]}));
-        lobby.send(chat(&format!("message {i}"))).await.unwrap();
-        wait_for_reply(ann, &lobby, text, Duration::from_secs(90)).await;
-        let asked = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
+        lobby
+            .send(RoomMessageEventContent::text_plain(format!("message {i}")))
+            .await
+            .unwrap();
+        wait_for_reply(ann, lobby, text, Duration::from_secs(90)).await;
+        let asked = answered_since(mock, from, 1, Some(gw)).await.remove(0);
         assert_eq!(
             asked.last_user_text.contains(correction),
             i == 0,
@@ -985,8 +1059,6 @@ async fn a_reply_to_a_room_not_hers_is_corrected_in_her_next_batch_across_a_rest
             asked.last_user_text
         );
     }
-    assert_eq!(from_vera(ann, &lobby).await, ["here, then", "and again"]);
-    assert!(gw.stop().success());
 }
 
 /// A say the homeserver refuses for good (a room where only moderators may speak) is not
@@ -1006,27 +1078,13 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
         Some(Raw::from_json_string(r#"{"events_default": 50}"#.to_owned()).unwrap());
     let notices = ann.create_room(req).await.unwrap();
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
-    let config = write_config(
-        &dir,
-        &scene.url,
-        &scene.vera_token,
-        &["#mr-lobby:localhost", "#mr-notices:localhost"],
-        &[],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
     // Joined, so what refuses her say is the room's power levels, not her absence.
-    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !(has_joined(ann, &notices, vera).await && has_joined(ann, &lobby, vera).await) {
-        assert!(
-            Instant::now() < deadline,
-            "vera did not join:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let (_, gw) = vera_in(
+        &scene,
+        &mock,
+        &[("mr-lobby", &lobby), ("mr-notices", &notices)],
+    )
+    .await;
     let (room, hall) = (lobby.room_id().to_string(), notices.room_id().to_string());
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
     mock.script(json!({"say": [
@@ -1053,19 +1111,7 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
     let correction = format!(
         "[correction] your say to {hall} (32 characters, \"an announcement she may not make\") was not sent: homeserver refused (403 M_FORBIDDEN)"
     );
-    for (i, text) in ["noted", "and on"].into_iter().enumerate() {
-        let from = mock.ledger().len();
-        mock.script(json!({"say": [{"room": room, "text": text}]}));
-        lobby.send(chat(&format!("message {i}"))).await.unwrap();
-        wait_for_reply(ann, &lobby, text, Duration::from_secs(90)).await;
-        let asked = answered_since(&mock, from, 1, Some(&gw)).await.remove(0);
-        assert_eq!(
-            asked.last_user_text.contains(&correction),
-            i == 0,
-            "batch {i}: {}",
-            asked.last_user_text
-        );
-    }
+    corrected_once(&mock, &gw, ann, &lobby, &correction, ["noted", "and on"]).await;
     assert!(from_vera(ann, &notices).await.is_empty());
     assert_eq!(
         from_vera(ann, &lobby).await,
@@ -1092,35 +1138,8 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
 /// then a fresh session, acked, and never shown to her.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_is_cut() {
-    let scene = Scene::new("minds-toolong", Limits::Relaxed).await;
-    let (ann, dir) = (&scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "mt-lobby").await;
-    let mock = MockApi::start(MockConfig {
-        context_window: 15_000,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
-    let config = write_config(
-        &dir,
-        &scene.url,
-        &scene.vera_token,
-        &["#mt-lobby:localhost"],
-        &[],
-        &session,
-    );
-    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
-    let gw = GatewayProcess::start(&config);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !has_joined(ann, &lobby, vera).await {
-        assert!(
-            Instant::now() < deadline,
-            "vera did not join:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let (scene, lobby, mock, gw) = small_window("minds-toolong", "mt-lobby").await;
+    let dir = scene.dir.clone();
     // How often each request the API answered showed her `needle` (her history is sent
     // whole each turn, so a line of hers is in every later request of its session).
     let shown = |needle: &str| -> Vec<usize> {
@@ -1206,35 +1225,8 @@ async fn a_batch_too_long_for_any_session_is_split_and_a_message_too_long_alone_
 /// the batch again and, with room for both, she was shown it twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_refused_as_too_long_is_not_shown_twice_after_the_compaction() {
-    let scene = Scene::new("minds-kept", Limits::Relaxed).await;
-    let (ann, dir) = (&scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "mk-lobby").await;
-    let mock = MockApi::start(MockConfig {
-        context_window: 15_000,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let (session, _) = live_section(&dir, &mock, 800, "");
-    let config = write_config(
-        &dir,
-        &scene.url,
-        &scene.vera_token,
-        &["#mk-lobby:localhost"],
-        &[],
-        &session,
-    );
-    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
-    let gw = GatewayProcess::start(&config);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !has_joined(ann, &lobby, vera).await {
-        assert!(
-            Instant::now() < deadline,
-            "vera did not join:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let (scene, lobby, mock, gw) = small_window("minds-kept", "mk-lobby").await;
+    let dir = scene.dir.clone();
     // Her conversation grows to ~13k of the 15k-token window, a turn at a time.
     let mut turns = 0;
     while mock.ledger().last().map_or(0, |e| e.prompt_tokens) < 12_000 {
