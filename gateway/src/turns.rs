@@ -1461,6 +1461,8 @@ impl TurnLoop {
             output: own.output,
             ..last
         });
+        self.telemetry
+            .book_earlier_reads(&turn.earlier_reads, &self.prices);
         self.telemetry.after_turn(
             &last,
             res.outcome(),

@@ -150,6 +150,9 @@ pub struct Turn {
     /// conversation's size). The result's `usage` adds up every request of the turn, so
     /// after a reply bounced by the schema it counts the conversation twice.
     pub last_request: Option<Usage>,
+    /// The cache reads of each of the turn's requests before the last (a reply bounced by the
+    /// schema is asked for again): each read the conversation, which ski rental's rent counts.
+    pub earlier_reads: Vec<u64>,
 }
 
 /// Who compacts a conversation that outgrows the window.
@@ -568,7 +571,11 @@ impl Cli {
         let mut reset = false;
         let mut compacted = None;
         let mut last_request_at = written;
-        let mut last_request = None;
+        let mut last_request: Option<Usage> = None;
+        let mut earlier_reads = Vec::new();
+        // The message id of the request `last_request` is from: a request's answer comes as
+        // several assistant events, one per content block.
+        let mut last_id: Option<String> = None;
         // A tool result the CLI may answer with a new request (or end the turn with).
         let mut tool_result_at = None;
         loop {
@@ -584,6 +591,7 @@ impl Cli {
                         compacted,
                         last_request_at,
                         last_request,
+                        earlier_reads,
                     });
                 }
                 Event::User(_) => tool_result_at = Some(Instant::now()),
@@ -592,6 +600,11 @@ impl Cli {
                         last_request_at = at;
                     }
                     if let Some(u) = m.usage() {
+                        let id = m.message["id"].as_str().map(str::to_owned);
+                        if id != last_id {
+                            earlier_reads.extend(last_request.map(|l| l.cache_read));
+                            last_id = id;
+                        }
                         last_request = Some(u);
                     }
                 }

@@ -271,6 +271,18 @@ impl Telemetry {
         self.keep_warm_cost = 0.0;
     }
 
+    /// Books the reads of a turn's requests before its last (a reply bounced by the schema is
+    /// asked for again, the conversation read each time): their read above the rehydration
+    /// is rent like the last one's, which [`Self::after_turn`] books.
+    pub fn book_earlier_reads(&mut self, reads: &[u64], prices: &Prices) {
+        for read in reads {
+            self.excess_read_cost += Prices::dollars(
+                read.saturating_sub(self.rehydration_tokens),
+                prices.cache_read,
+            );
+        }
+    }
+
     /// Books a fresh start: the ski-rental account starts over.
     pub fn after_fresh_start(&mut self) {
         self.excess_read_cost = 0.0;

@@ -179,6 +179,13 @@ async fn a_say_over_the_limit_is_bounced_back_to_her_within_the_turn() {
     assert_eq!(sizes, [half.len(), half.len()]);
     let ledger = mock.ledger();
     assert_eq!(ledger.len(), 2, "the long say was asked for again");
+    // The driver saw both requests: the first one's read as an earlier one, the second's
+    // prompt as the turn's last.
+    assert_eq!(turn.earlier_reads, [ledger[0].usage.cache_read]);
+    assert_eq!(
+        turn.last_request.map(|u| u.prompt_tokens()),
+        Some(ledger[1].prompt_tokens)
+    );
     // The CLI's own words (2.1.332): "Output does not match required schema: /say/0/text:
     // must NOT have more than 8192 characters (got 8193)".
     let why = format!("must NOT have more than {MAX_SAY_CHARS} characters");

@@ -3,7 +3,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::*;
-use crate::cost::{Prices, Ttl};
+use crate::cost::{Prices, Ttl, Usage};
 
 const NS: Duration = Duration::from_nanos(1);
 
@@ -687,4 +687,30 @@ fn the_lead_is_measured_from_her_refreshes_and_a_miss_puts_it_back() {
         "the miss forgotten"
     );
     assert_eq!(t.refreshes_took.len(), Telemetry::REFRESHES_KEPT);
+}
+
+/// A turn whose reply the schema bounced read the conversation twice: both reads above the
+/// rehydration are rent, so ski rental starts fresh no later than without the bounce.
+#[test]
+fn each_request_of_a_bounced_turn_pays_rent() {
+    let now = Instant::now();
+    let prices = Prices::default();
+    let usage = Usage {
+        cache_read: 40_000,
+        output: 100,
+        ..Usage::default()
+    };
+    let mut once = base(now);
+    once.after_turn(&usage, Outcome::Ok, now, now, &prices);
+    let mut bounced = base(now);
+    bounced.book_earlier_reads(&[39_000], &prices);
+    bounced.after_turn(&usage, Outcome::Ok, now, now, &prices);
+    // 10k above the 30k rehydration, then 9k more for the bounced request.
+    let rent = |tokens: u64| Prices::dollars(tokens, prices.cache_read);
+    assert!((once.excess_read_cost - rent(10_000)).abs() < 1e-12);
+    assert!((bounced.excess_read_cost - rent(19_000)).abs() < 1e-12);
+    // A read below the rehydration costs no rent.
+    let mut small = base(now);
+    small.book_earlier_reads(&[20_000], &prices);
+    assert_eq!(small.excess_read_cost, 0.0);
 }
