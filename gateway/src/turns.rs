@@ -1576,11 +1576,7 @@ impl TurnLoop {
                 let outcome = if refused.is_empty() {
                     "sent".to_owned()
                 } else {
-                    let each: Vec<(&str, &str, &str)> = refused
-                        .iter()
-                        .map(|(room, text, why)| (*room, *text, why.as_str()))
-                        .collect();
-                    let note = render::unsent_says_note(&each, reply.say.len());
+                    let note = render::unsent_says_note(&refused, reply.say.len());
                     let outcome = format!("sent {sent} of {}: {note}", reply.say.len());
                     self.note = Some(note);
                     outcome

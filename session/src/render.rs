@@ -514,7 +514,7 @@ fn clip(s: &str, max: usize) -> String {
 /// The correction for says of a sent reply that the homeserver (or the mouth) refused for
 /// good: each say's room, its opening words and why, so she knows they went nowhere (the
 /// reply's other says were sent). `refused` holds (room, text, why) of the reply's `says`.
-pub fn unsent_says_note(refused: &[(&str, &str, &str)], says: usize) -> String {
+pub fn unsent_says_note<W: AsRef<str>>(refused: &[(&str, &str, W)], says: usize) -> String {
     let each: Vec<String> = refused
         .iter()
         .map(|(room, text, why)| {
@@ -522,7 +522,7 @@ pub fn unsent_says_note(refused: &[(&str, &str, &str)], says: usize) -> String {
                 "your say to {room} ({} characters, \"{}\") was not sent: {}",
                 text.chars().count(),
                 clip(text, 60),
-                clip(why, ERROR_CHARS)
+                clip(why.as_ref(), ERROR_CHARS)
             )
         })
         .collect();
