@@ -215,6 +215,7 @@ impl Ear {
         let mut hold = Vec::new();
         let now_ms = unix_ms();
         let mut lines = Vec::new();
+        let mut redacted = Vec::new();
         for (room_id, update) in &resp.rooms.joined {
             let Some(room) = self.client.get_room(room_id) else {
                 continue;
@@ -248,6 +249,22 @@ impl Ear {
             let mail_from = joined_at.map_or(0, |i| events.len() + i + 1);
             events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
+            // Deleted (redacted) messages never reach her: one stored before is blanked where
+            // it is kept. (One said and deleted since the last round comes pruned, without a
+            // body: Synapse serves a redacted event so, and such an event is neither mail nor
+            // context.)
+            let gone: std::collections::HashSet<String> = events
+                .iter()
+                .filter_map(|(_, ev)| event::redacts(ev))
+                .map(str::to_owned)
+                .collect();
+            if !gone.is_empty() {
+                let tl = self.timelines.entry(info.room_id.clone()).or_default();
+                for (_, l) in tl.iter_mut().filter(|(_, l)| gone.contains(&l.event_id)) {
+                    l.text = event::DELETED.to_owned();
+                }
+                redacted.extend(gone.iter().map(|id| (info.room_id.clone(), id.clone())));
+            }
             if since.is_some() && mail_from < events.len() {
                 let before = update.timeline.prev_batch.as_deref();
                 lines.extend(self.backfill(&room, &info.room_id, &events, before).await);
@@ -313,6 +330,7 @@ impl Ear {
                 lines: &lines,
                 hold: &hold,
                 release: &release,
+                redacted: &redacted,
             };
             inbox.ingest_sync(&id, &next, write)
         })

@@ -48,6 +48,19 @@ pub struct RoomInfo {
 /// logged, never dropped silently).
 pub const UNDECRYPTABLE: &str = "(this message could not be decrypted)";
 
+/// What stands in for a message deleted (redacted) before she read it: in her pending mail,
+/// its context lines and her rooms' timelines, so a deleted line never reaches the model.
+pub const DELETED: &str = "(this message was deleted)";
+
+/// The event an `m.room.redaction` removes: `content.redacts` from room version 11,
+/// top-level `redacts` before.
+pub fn redacts(ev: &Value) -> Option<&str> {
+    if str_at(ev, &["type"])? != "m.room.redaction" {
+        return None;
+    }
+    str_at(ev, &["content", "redacts"]).or_else(|| str_at(ev, &["redacts"]))
+}
+
 fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
     let mut cur = v;
     for p in path {

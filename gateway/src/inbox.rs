@@ -265,6 +265,9 @@ pub struct SyncWrite<'a> {
     pub hold: &'a [Held],
     /// Held event ids now resolved (delivered in this same batch, or given up).
     pub release: &'a [String],
+    /// Events deleted (redacted), by room and event id: blanked ([`crate::event::DELETED`])
+    /// in pending mail and its context and in the rooms' timelines, and no longer held.
+    pub redacted: &'a [(String, String)],
 }
 
 /// An event that could not be decrypted yet: retried each sync round, and delivered with a
@@ -514,7 +517,10 @@ impl Inbox {
             lines,
             hold,
             release,
+            redacted,
         } = write;
+        // Before the token moves on: a crash after this replays the sync, which blanks again.
+        self.redact_pending(persona, redacted)?;
         self.with_seen(persona, |seen| {
             let next_key = key(persona, b"next_seq");
             let first = st.tree.get(&next_key)?.map(|v| u64_of(&v)).unwrap_or(1);
@@ -544,10 +550,10 @@ impl Inbox {
                     ops.insert(hk, encode(h));
                 }
             }
-            for event_id in release {
+            for event_id in release.iter().chain(redacted.iter().map(|(_, id)| id)) {
                 ops.remove(kkey(HELD, persona, event_id.as_bytes()));
             }
-            self.add_lines(persona, lines, &mut ops)?;
+            self.add_lines(persona, lines, redacted, &mut ops)?;
             if let Some(&last) = assigned.last() {
                 ops.insert(chunk_key(persona, last), encode(&chunk));
                 ops.insert(ids_key(persona, last), encode(&(now_ms(), &ids)));
@@ -580,26 +586,89 @@ impl Inbox {
     }
 
     /// Appends timeline lines to their rooms' records (one record per room, its last
-    /// [`TIMELINE_CAP`] lines) in `ops`.
+    /// [`TIMELINE_CAP`] lines) in `ops`, blanking the `redacted` ones.
     fn add_lines(
         &self,
         persona: &str,
         lines: &[TimelineLine],
+        redacted: &[(String, String)],
         ops: &mut sled::Batch,
     ) -> Result<(), InboxError> {
         let mut per_room: std::collections::BTreeMap<&str, Vec<&TimelineLine>> = Default::default();
         for l in lines {
             per_room.entry(l.room_id.as_str()).or_default().push(l);
         }
+        for (room, _) in redacted {
+            per_room.entry(room.as_str()).or_default();
+        }
         for (room, added) in per_room {
             let mut kept = self.timeline(persona, room)?;
             kept.extend(added.into_iter().cloned());
+            for l in kept.iter_mut() {
+                if redacted.iter().any(|(_, id)| *id == l.line.event_id) {
+                    l.line.text = crate::event::DELETED.to_owned();
+                }
+            }
             // Lines read later for context (`/messages`) are older than those stored: keep the
             // record in time order (stable, so equal times keep their arrival order).
             kept.sort_by_key(|l| l.line.ts);
             let excess = kept.len().saturating_sub(TIMELINE_CAP);
             kept.drain(..excess);
             ops.insert(room_key(persona, room), encode(&kept));
+        }
+        Ok(())
+    }
+
+    /// Blanks the `redacted` events in pending mail: a delivery's text, and the lines of its
+    /// context. Each chunk is swapped only if unchanged since it was read, and read again if
+    /// it changed meanwhile (an ack that removed it wins: its mail is gone anyway).
+    fn redact_pending(
+        &self,
+        persona: &str,
+        redacted: &[(String, String)],
+    ) -> Result<(), InboxError> {
+        if redacted.is_empty() {
+            return Ok(());
+        }
+        let st = self.stores()?;
+        let gone = |id: &str| redacted.iter().any(|(_, r)| r == id);
+        let from = self.counts(persona)?.acked_through.saturating_add(1);
+        let keys: Vec<sled::IVec> = st
+            .tree
+            .range(chunk_key(persona, from)..=chunk_key(persona, u64::MAX))
+            .keys()
+            .collect::<Result<_, _>>()?;
+        for k in keys {
+            while let Some(v) = st.tree.get(&k)? {
+                let chunk: Vec<ByteBuf> = decode(&k, &v)?;
+                let mut changed = false;
+                let mut out = Vec::with_capacity(chunk.len());
+                for raw in chunk {
+                    let mut d: Delivery = decode(&k, &raw)?;
+                    let mut blanked = gone(&d.event_id);
+                    if blanked {
+                        d.text = crate::event::DELETED.to_owned();
+                    }
+                    for c in d.context.iter_mut().filter(|c| gone(&c.event_id)) {
+                        c.text = crate::event::DELETED.to_owned();
+                        blanked = true;
+                    }
+                    changed |= blanked;
+                    out.push(if blanked {
+                        ByteBuf::from(encode(&d))
+                    } else {
+                        raw
+                    });
+                }
+                if !changed
+                    || st
+                        .tree
+                        .compare_and_swap(&k, Some(&v), Some(encode(&out)))?
+                        .is_ok()
+                {
+                    break;
+                }
+            }
         }
         Ok(())
     }

@@ -1,7 +1,8 @@
 //! The ear and mouth against a real Synapse: every kind of delivery, an encrypted DM from an
 //! operator answered in the encrypted room, first-sync history that is not mail, restarts
 //! before and after ack, a 300-message gap filled in order, sends that happen once, a cold
-//! room's history read for context, and a line said during that read kept in its place.
+//! room's history read for context, a line said during that read kept in its place, and a
+//! deleted message that never reaches her.
 
 use std::time::Duration;
 
@@ -567,4 +568,51 @@ async fn a_line_said_while_the_ear_reads_history_keeps_its_place() {
         ["old 29", "the question", "a follow-up"],
         "{order:?}"
     );
+}
+
+/// A message deleted (redacted) before she read it never reaches her. One stored as mail
+/// already is blanked where it waits, and in the context of the mail after it. One said and
+/// deleted between two rounds is neither mail nor context. Neither is in her room's timeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_message_never_reaches_her() {
+    let scene = Scene::new("ear-redact", Limits::Relaxed).await;
+    let hall = public_room(&scene.ann, "redact-hall").await;
+    let p = persona(&scene.url, "vera", &["#redact-hall:localhost"], &[]);
+    let mut gw = Gateway::start(&p, &scene.vera_token, &scene.dir.join("gw")).await;
+    let secret = hall
+        .send(text("my password is hunter2"))
+        .await
+        .unwrap()
+        .response
+        .event_id;
+    gw.until_pending(1, Duration::from_secs(20)).await;
+    hall.redact(&secret, Some("oops"), None).await.unwrap();
+    hall.send(text("ignore that")).await.unwrap();
+    let quick = hall
+        .send(text("and my pin is 1234"))
+        .await
+        .unwrap()
+        .response
+        .event_id;
+    hall.redact(&quick, None, None).await.unwrap();
+    hall.send(text("sorry")).await.unwrap();
+    gw.until_pending(3, Duration::from_secs(20)).await;
+    let page = gw.inbox.pending("vera", 0, 100, None).unwrap();
+    let texts: Vec<&str> = page.deliveries.iter().map(|d| d.text.as_str()).collect();
+    assert_eq!(
+        texts,
+        ["(this message was deleted)", "ignore that", "sorry"]
+    );
+    let context: Vec<&str> = page.deliveries[1]
+        .context
+        .iter()
+        .map(|c| c.text.as_str())
+        .collect();
+    assert_eq!(context, ["(this message was deleted)"]);
+    let timeline = gw.inbox.timeline("vera", hall.room_id().as_str()).unwrap();
+    let kept = format!("{:?} {timeline:?}", page.deliveries);
+    for secret in ["hunter2", "1234"] {
+        assert!(!kept.contains(secret), "{secret} is kept: {kept}");
+    }
+    assert_eq!(timeline.len(), 3, "{timeline:?}");
 }

@@ -210,3 +210,17 @@ fn a_history_read_takes_only_what_is_older_than_the_lines_held() {
     // Nothing held in the read at all: nothing is known to be older.
     assert_eq!(take(false, &[false, false]), [false, false]);
 }
+
+#[test]
+fn a_redaction_names_the_event_it_removes_in_either_room_version() {
+    let v11 = json!({"type": "m.room.redaction", "event_id": "$r", "sender": "@ann:localhost",
+        "content": {"redacts": "$gone"}});
+    assert_eq!(redacts(&v11), Some("$gone"));
+    let older = json!({"type": "m.room.redaction", "event_id": "$r", "sender": "@ann:localhost",
+        "redacts": "$gone", "content": {}});
+    assert_eq!(redacts(&older), Some("$gone"));
+    let message = json!({"type": "m.room.message", "event_id": "$m", "redacts": "$x",
+        "content": {"body": "hi", "msgtype": "m.text", "redacts": "$x"}});
+    assert_eq!(redacts(&message), None);
+    assert_eq!(redacts(&json!({"type": "m.room.redaction"})), None);
+}

@@ -854,3 +854,87 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
     );
     assert_eq!(inbox.counts("mira").unwrap().pending, 0);
 }
+
+#[test]
+fn a_redaction_blanks_pending_mail_its_context_and_the_timeline_and_drops_what_is_held() {
+    use wire::docs::ContextLine;
+    let dir = dir("redacted");
+    let inbox = Inbox::open(&dir).unwrap();
+    let line = |id: &str, text: &str| ContextLine {
+        event_id: id.into(),
+        sender: "@ann:l".into(),
+        text: text.into(),
+        ..ContextLine::default()
+    };
+    let mut after = d("$b", "ignore that");
+    after.context = vec![line("$a", "my password is hunter2")];
+    let timeline: Vec<TimelineLine> = [("$a", "my password is hunter2"), ("$b", "ignore that")]
+        .iter()
+        .map(|(id, text)| TimelineLine {
+            room_id: "!r".into(),
+            thread: None,
+            line: line(id, text),
+        })
+        .collect();
+    inbox
+        .ingest_sync(
+            "p",
+            "t1",
+            SyncWrite {
+                deliveries: &[d("$a", "my password is hunter2"), after, d("$c", "kept")],
+                lines: &timeline,
+                hold: &[Held {
+                    since_ms: 1,
+                    delivery: d("$h", "(undecryptable)"),
+                }],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let redacted = [
+        ("!r".to_owned(), "$a".to_owned()),
+        ("!r".to_owned(), "$h".to_owned()),
+    ];
+    inbox
+        .ingest_sync(
+            "p",
+            "t2",
+            SyncWrite {
+                redacted: &redacted,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let page = inbox.pending("p", 0, 10, None).unwrap();
+    let texts: Vec<&str> = page.deliveries.iter().map(|d| d.text.as_str()).collect();
+    assert_eq!(texts, [crate::event::DELETED, "ignore that", "kept"]);
+    assert_eq!(page.deliveries[1].context[0].text, crate::event::DELETED);
+    // Seqs and counts stand: nothing is renumbered, the blanked mail is acked like any.
+    assert_eq!(seqs(&page), vec![1, 2, 3]);
+    assert_eq!(inbox.counts("p").unwrap().pending, 3);
+    let kept: Vec<String> = inbox
+        .timeline("p", "!r")
+        .unwrap()
+        .into_iter()
+        .map(|l| l.line.text)
+        .collect();
+    assert_eq!(kept, [crate::event::DELETED, "ignore that"]);
+    assert!(inbox.held("p").unwrap().is_empty());
+    // Acked mail is not touched (nor read back to life).
+    inbox.ack("p", 3).unwrap();
+    inbox
+        .ingest_sync(
+            "p",
+            "t3",
+            SyncWrite {
+                redacted: &[("!r".to_owned(), "$c".to_owned())],
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert!(inbox
+        .pending("p", 0, 10, None)
+        .unwrap()
+        .deliveries
+        .is_empty());
+}
