@@ -313,7 +313,7 @@ impl Telemetry {
 
     /// Books a keep-warm refresh with `usage`, costing `dollars`, started at `started` (before
     /// its request read the cache, so the expiry reckoned from it is never late) and taking
-    /// `took`. One that [missed](Self::refresh_missed) holds the lead at the configured
+    /// `took`. One that missed (`refresh_missed`) holds the lead at the configured
     /// ceiling (see [`Self::keep_warm_lead`]). A long last reply, written in its tail, can
     /// look like a miss too; then the lead is only longer than it need be for a while.
     /// Whether it missed, for the caller's log and count.

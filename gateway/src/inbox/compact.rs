@@ -16,7 +16,7 @@
 //!    renamed `I`, the copy is opened there;
 //! 4. the marker and `I.old` are removed.
 //!
-//! [`recover`] (run before every open, under the inbox's lock file) finishes or undoes a crash
+//! `recover` (run before every open, under the inbox's lock file) finishes or undoes a crash
 //! at any of those points: a copy without the marker is removed; with the marker, a missing `I`
 //! is the copy renamed in, and an `I.old` beside a present `I` and no copy is removed; without
 //! it, an `I.old` beside `I` is removed (only its removal was left) and an `I.old` alone is
