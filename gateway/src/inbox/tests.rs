@@ -857,25 +857,20 @@ fn a_turn_commits_its_ack_notes_and_extensions_together() {
 
 #[test]
 fn a_redaction_blanks_pending_mail_its_context_and_the_timeline_and_drops_what_is_held() {
-    use wire::docs::ContextLine;
     let dir = dir("redacted");
     let inbox = Inbox::open(&dir).unwrap();
-    let line = |id: &str, text: &str| ContextLine {
-        event_id: id.into(),
-        sender: "@ann:l".into(),
-        text: text.into(),
-        ..ContextLine::default()
+    // A line of room !r saying `text`.
+    let said = |id: &str, text: &str| {
+        let mut l = tl("!r", id);
+        l.line.text = text.into();
+        l
     };
     let mut after = d("$b", "ignore that");
-    after.context = vec![line("$a", "my password is hunter2")];
-    let timeline: Vec<TimelineLine> = [("$a", "my password is hunter2"), ("$b", "ignore that")]
-        .iter()
-        .map(|(id, text)| TimelineLine {
-            room_id: "!r".into(),
-            thread: None,
-            line: line(id, text),
-        })
-        .collect();
+    after.context = vec![said("$a", "my password is hunter2").line];
+    let timeline = [
+        said("$a", "my password is hunter2"),
+        said("$b", "ignore that"),
+    ];
     inbox
         .ingest_sync(
             "p",
