@@ -48,6 +48,16 @@ pub struct RoomInfo {
 /// logged, never dropped silently).
 pub const UNDECRYPTABLE: &str = "(this message could not be decrypted)";
 
+/// Cuts `text` to at most `max_bytes`, at a character boundary; returns its new length.
+pub fn truncate_text(text: &mut String, max_bytes: usize) -> usize {
+    let at = (0..=max_bytes.min(text.len()))
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    text.truncate(at);
+    at
+}
+
 /// What stands in for a message deleted (redacted) before she read it: in her pending mail,
 /// its context lines and her rooms' timelines, so a deleted line never reaches the model.
 pub const DELETED: &str = "(this message was deleted)";

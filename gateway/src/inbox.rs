@@ -789,12 +789,8 @@ impl Inbox {
                     if bytes + size > cap {
                         if deliveries.is_empty() {
                             // Alone too big: cut the text (at a char boundary) and say so.
-                            let keep = cap.saturating_sub(size - d.text.len()).min(d.text.len());
-                            let cut = (0..=keep)
-                                .rev()
-                                .find(|&i| d.text.is_char_boundary(i))
-                                .unwrap_or(0);
-                            d.text.truncate(cut);
+                            let keep = cap.saturating_sub(size - d.text.len());
+                            crate::event::truncate_text(&mut d.text, keep);
                             d.truncated = true;
                             deliveries.push(d);
                         }

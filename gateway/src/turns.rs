@@ -301,11 +301,7 @@ fn cut(d: &mut Delivery, bytes: usize) {
     if whole <= bytes {
         return;
     }
-    let at = (0..=bytes)
-        .rev()
-        .find(|&i| d.text.is_char_boundary(i))
-        .unwrap_or(0);
-    d.text.truncate(at);
+    let at = crate::event::truncate_text(&mut d.text, bytes);
     d.text.push_str(&format!(
         "\n[cut by the gateway: the first {at} of its {whole} bytes; the whole message does not fit your context window]"
     ));
@@ -678,7 +674,7 @@ impl TurnLoop {
                 self.turn(&[]).await?;
                 continue;
             }
-            let batch: Vec<Delivery> = match inflight {
+            let mut batch: Vec<Delivery> = match inflight {
                 Some((first, last)) if page.deliveries[0].seq == first => page
                     .deliveries
                     .iter()
@@ -687,7 +683,6 @@ impl TurnLoop {
                     .collect(),
                 _ => render::next_batch(&page.deliveries, self.persona.session.max_batch).to_vec(),
             };
-            let mut batch = batch;
             match self.shrink {
                 Some(Shrink::Deliveries(n)) => batch.truncate(n),
                 Some(Shrink::Cut { seq, bytes }) => {

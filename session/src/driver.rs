@@ -282,10 +282,7 @@ fn die_with_parent(_cmd: &mut Command) {}
 /// message is written as the turn starts, racing the kill), so the caller looks before it
 /// sends the turn's batch again. An unreadable or missing transcript holds nothing.
 pub fn transcript_holds(cfg: &CliConfig, session_id: &str, needle: &str) -> bool {
-    transcript_tail(cfg, session_id).is_some_and(|tail| {
-        tail.windows(needle.len().max(1))
-            .any(|w| w == needle.as_bytes())
-    })
+    transcript_tail(cfg, session_id).is_some_and(|tail| holds(&tail, needle))
 }
 
 /// The `uuid` of the last user message in her session's transcript (its last few MiB) whose
@@ -294,14 +291,18 @@ pub fn transcript_holds(cfg: &CliConfig, session_id: &str, needle: &str) -> bool
 pub fn transcript_user_message(cfg: &CliConfig, session_id: &str, needle: &str) -> Option<String> {
     let tail = transcript_tail(cfg, session_id)?;
     tail.rsplit(|&b| b == b'\n')
-        .filter(|line| {
-            line.windows(needle.len().max(1))
-                .any(|w| w == needle.as_bytes())
-        })
+        .filter(|line| holds(line, needle))
         .filter_map(|line| serde_json::from_slice::<serde_json::Value>(line).ok())
         .filter(|v| v["type"] == "user")
         .filter_map(|v| v["uuid"].as_str().map(str::to_owned))
         .next()
+}
+
+/// Whether `bytes` hold `needle`.
+fn holds(bytes: &[u8], needle: &str) -> bool {
+    bytes
+        .windows(needle.len().max(1))
+        .any(|w| w == needle.as_bytes())
 }
 
 /// The last few MiB of her session's transcript, if it can be read.
