@@ -21,6 +21,7 @@ pub mod ear;
 pub mod endpoint;
 pub mod event;
 pub mod inbox;
+pub mod markdown;
 pub mod matrix;
 pub mod metrics;
 pub mod mouth;

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use matrix_sdk::ruma::api::client::receipt::create_receipt::v3::ReceiptType;
 use matrix_sdk::ruma::events::receipt::ReceiptThread;
-use matrix_sdk::ruma::events::room::message::FormattedBody;
 use matrix_sdk::ruma::{OwnedEventId, OwnedRoomId, OwnedTransactionId, RoomAliasId};
 use matrix_sdk::{Client, Room, RoomState};
 use serde_json::{json, Value};
@@ -123,10 +122,10 @@ pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) ->
     let mut c = json!({"msgtype": "m.text", "body": text});
     // Her replies are written in Markdown: clients show `formatted_body` (and sanitize it),
     // the plain `body` stays the source. Left out when the two would not fit an event.
-    if let Some(html) = FormattedBody::markdown(text) {
-        if text.len() + html.body.len() <= MAX_FORMATTED_BYTES {
+    if let Some(html) = crate::markdown::to_html(text) {
+        if text.len() + html.len() <= MAX_FORMATTED_BYTES {
             c["format"] = json!("org.matrix.custom.html");
-            c["formatted_body"] = json!(html.body);
+            c["formatted_body"] = json!(html);
         }
     }
     match (thread_root, reply_to) {

@@ -1111,11 +1111,12 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
     let correction = format!(
         "[correction] your say to {hall} (32 characters, \"an announcement she may not make\") was not sent: homeserver refused (403 M_FORBIDDEN)"
     );
-    corrected_once(&mock, &gw, ann, &lobby, &correction, ["noted", "and on"]).await;
+    let typed = "and on: a **Vec<String>**";
+    corrected_once(&mock, &gw, ann, &lobby, &correction, ["noted", typed]).await;
     assert!(from_vera(ann, &notices).await.is_empty());
     assert_eq!(
         from_vera(ann, &lobby).await,
-        ["**hello** from the lobby", "noted", "and on"]
+        ["**hello** from the lobby", "noted", typed]
     );
     // Her Markdown is rendered for clients beside its source; plain text stays plain.
     let contents = tests::live::contents_by(ann, &lobby, "@vera:localhost").await;
@@ -1128,6 +1129,12 @@ async fn a_say_the_homeserver_refuses_is_named_in_her_next_batch() {
         contents[1].get("formatted_body").is_none(),
         "{}",
         contents[1]
+    );
+    // What looks like an HTML tag in her text is her text: escaped, or a client's sanitizer
+    // would drop `<String>` and show "a Vec".
+    assert_eq!(
+        contents[2]["formatted_body"],
+        "and on: a <strong>Vec&lt;String&gt;</strong>"
     );
     assert!(gw.stop().success());
 }
