@@ -27,26 +27,26 @@ pub fn to_html(text: &str) -> Option<String> {
     if events.is_empty() {
         return None;
     }
-    let inline = matches!(events.first(), Some(Event::Start(Tag::Paragraph)))
-        && matches!(events.last(), Some(Event::End(TagEnd::Paragraph)))
-        && !events.iter().skip(1).any(|e| match e {
-            Event::Start(tag) => is_block(tag),
-            _ => false,
-        });
-    if inline && is_plain(text, &events[1..]) {
-        return None;
-    }
-    let mut html = String::new();
-    let body = if inline {
-        &events[1..events.len() - 1]
-    } else {
-        &events[..]
+    // One paragraph of inline content only: rendered without its <p>, or not at all if plain.
+    let inline = match events.as_slice() {
+        [Event::Start(Tag::Paragraph), inner @ .., Event::End(TagEnd::Paragraph)]
+            if !inner
+                .iter()
+                .any(|e| matches!(e, Event::Start(t) if is_block(t))) =>
+        {
+            if is_plain(text, inner) {
+                return None;
+            }
+            Some(inner)
+        }
+        _ => None,
     };
-    pulldown_cmark::html::push_html(&mut html, body.iter().cloned());
+    let mut html = String::new();
+    pulldown_cmark::html::push_html(&mut html, inline.unwrap_or(&events).iter().cloned());
     Some(html)
 }
 
-/// Whether one paragraph's events give back its source unchanged but for line breaks: text
+/// Whether a paragraph's inner events give back its source unchanged but for line breaks: text
 /// that needs no HTML. Walks the source beside the text events; anything else, or a character
 /// the parser took as syntax (an escape, an entity), means Markdown.
 fn is_plain(text: &str, events: &[Event<'_>]) -> bool {
@@ -65,7 +65,6 @@ fn is_plain(text: &str, events: &[Event<'_>]) -> bool {
                     return false;
                 }
             }
-            Event::End(TagEnd::Paragraph) => {}
             _ => return false,
         }
     }
@@ -90,59 +89,64 @@ fn is_block(tag: &Tag<'_>) -> bool {
 mod tests {
     use super::to_html;
 
+    /// Each text's HTML, or `None` for text sent plain.
+    fn renders(cases: &[(&str, Option<&str>)]) {
+        for (text, html) in cases {
+            assert_eq!(to_html(text).as_deref(), *html, "{text:?}");
+        }
+    }
+
     #[test]
     fn plain_text_needs_no_html() {
-        assert_eq!(to_html("Hello world."), None);
-        assert_eq!(to_html("Hello\nworld."), None);
-        assert_eq!(to_html("Hello\r\nworld."), None);
-        assert_eq!(to_html(""), None);
-        assert_eq!(to_html("5 < 6 and 7 > 3"), None);
+        renders(&[
+            ("Hello world.", None),
+            ("Hello\nworld.", None),
+            ("Hello\r\nworld.", None),
+            ("", None),
+            ("5 < 6 and 7 > 3", None),
+        ]);
     }
 
     #[test]
     fn markdown_is_rendered_and_inline_text_keeps_no_paragraph() {
-        assert_eq!(
-            to_html("**bold** and `code`").as_deref(),
-            Some("<strong>bold</strong> and <code>code</code>")
-        );
-        assert_eq!(
-            to_html("Hello\n\nworld.").as_deref(),
-            Some("<p>Hello</p>\n<p>world.</p>\n")
-        );
-        assert_eq!(
-            to_html("a *b*\nc").as_deref(),
-            Some("a <em>b</em><br />\nc")
-        );
-        assert_eq!(
-            to_html("| a | b |\n|---|---|\n| 1 | ~~2~~ |").as_deref(),
-            Some(
-                "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody>\n\
-                 <tr><td>1</td><td><del>2</del></td></tr>\n</tbody></table>\n"
-            )
-        );
-        // An escape is Markdown: the backslash must not show.
-        assert_eq!(to_html(r"\*not bold\*").as_deref(), Some("*not bold*"));
+        renders(&[
+            (
+                "**bold** and `code`",
+                Some("<strong>bold</strong> and <code>code</code>"),
+            ),
+            ("Hello\n\nworld.", Some("<p>Hello</p>\n<p>world.</p>\n")),
+            ("a *b*\nc", Some("a <em>b</em><br />\nc")),
+            (
+                "| a | b |\n|---|---|\n| 1 | ~~2~~ |",
+                Some(
+                    "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody>\n\
+                     <tr><td>1</td><td><del>2</del></td></tr>\n</tbody></table>\n",
+                ),
+            ),
+            // An escape is Markdown: the backslash must not show.
+            (r"\*not bold\*", Some("*not bold*")),
+        ]);
     }
 
     #[test]
     fn raw_html_is_her_text_not_markup() {
-        // Alone it is plain text: the body says it as she wrote it.
-        assert_eq!(to_html("a Vec<String> of names"), None);
-        assert_eq!(to_html("I <3 you"), None);
-        assert_eq!(to_html("<b>not bold</b>"), None);
-        // Beside Markdown it is rendered escaped, so a client shows it, not obeys or drops it.
-        assert_eq!(
-            to_html("a **Vec<String>** of <name>").as_deref(),
-            Some("a <strong>Vec&lt;String&gt;</strong> of &lt;name&gt;")
-        );
-        assert_eq!(
-            to_html("<script>alert(1)</script>\n\n*hi*").as_deref(),
-            Some("&lt;script&gt;alert(1)&lt;/script&gt;\n<p><em>hi</em></p>\n")
-        );
-        // Inside code it was always text.
-        assert_eq!(
-            to_html("`Vec<String>`").as_deref(),
-            Some("<code>Vec&lt;String&gt;</code>")
-        );
+        renders(&[
+            // Alone it is plain text: the body says it as she wrote it.
+            ("a Vec<String> of names", None),
+            ("I <3 you", None),
+            ("<b>not bold</b>", None),
+            // Beside Markdown it is rendered escaped, so a client shows it, not obeys or
+            // drops it.
+            (
+                "a **Vec<String>** of <name>",
+                Some("a <strong>Vec&lt;String&gt;</strong> of &lt;name&gt;"),
+            ),
+            (
+                "<script>alert(1)</script>\n\n*hi*",
+                Some("&lt;script&gt;alert(1)&lt;/script&gt;\n<p><em>hi</em></p>\n"),
+            ),
+            // Inside code it was always text.
+            ("`Vec<String>`", Some("<code>Vec&lt;String&gt;</code>")),
+        ]);
     }
 }
