@@ -1201,7 +1201,11 @@ impl TurnLoop {
         if let Some(c) = &self.note {
             notes.push(Note::new("correction", c.clone()));
         }
-        notes.extend(stored.iter().map(|n| Note::new(&n.kind, n.text.clone())));
+        notes.extend(
+            stored
+                .iter()
+                .map(|n| Note::from_minds(&n.kind, n.text.clone())),
+        );
         let mut text = render::render(batch, &mut self.seen, &notes);
         if self.status.session_id.is_none() {
             // A session after an earlier one (not her very first) is given the recent lines.

@@ -6,6 +6,8 @@
 //!   compact, start fresh, evict the idle process, or refresh the cache before it expires.
 //! - [`render`]: batch selection (one conversation at a time), the one-block user message with
 //!   its fixed header, context sent once, the reply schema and its validation, say request ids.
+//! - [`untrusted`]: the one rule for writing what comes from Matrix into her prompt as data:
+//!   one-line, escaped, capped names and ids, event ids checked, every line break indented.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
 //! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
@@ -21,3 +23,4 @@ pub mod driver;
 pub mod policy;
 pub mod proto;
 pub mod render;
+pub mod untrusted;

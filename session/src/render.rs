@@ -13,6 +13,8 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 use wire::docs::{ContextLine, Delivery, DeliveryKind};
 
+use crate::untrusted::{self, MAX_NAME_CHARS};
+
 /// Event ids the live session has already been shown, at most this many (oldest forgotten).
 pub const SEEN_CAPACITY: usize = 8192;
 /// The start of every rendered batch: fixed text, so chat never starts a user message, and
@@ -22,7 +24,8 @@ pub const SEEN_CAPACITY: usize = 8192;
 /// reads the doctrine from the cache the old one wrote instead of writing it again.
 pub const HEADER_PREFIX: &str = "[cultnet batch from the gateway] ";
 /// The label of the notes section, right after the header. Chat text cannot forge it: every
-/// chat line starts with `[seq]` and its continuation lines are indented.
+/// chat line starts with `[seq]`, its names and ids are one line each ([`untrusted`]), and its
+/// continuation lines, after a line break of any kind, are indented.
 pub const NOTES_LABEL: &str = "## notes (from the gateway and your Minds, not chat)";
 
 /// A note shown to her: from her Minds (over CultNet), or from the gateway itself (a restart,
@@ -41,6 +44,17 @@ impl Note {
         Self {
             kind: kind.to_owned(),
             text: text.into(),
+        }
+    }
+
+    /// A note her Minds sent over CultNet. A kind that is the gateway's own
+    /// ([`wire::docs::RESERVED_NOTE_KINDS`], refused on arrival; a note stored before that
+    /// rule may have one) is shown as `minds-KIND`, so it cannot pass for the gateway's.
+    pub fn from_minds(kind: &str, text: impl Into<String>) -> Self {
+        if wire::docs::RESERVED_NOTE_KINDS.contains(&kind) {
+            Self::new(&format!("minds-{kind}"), text)
+        } else {
+            Self::new(kind, text)
         }
     }
 }
@@ -160,7 +174,7 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
     if !notes.is_empty() {
         let _ = writeln!(out, "{NOTES_LABEL}");
         for n in notes {
-            let _ = writeln!(out, "[{}] {}", n.kind, indent(n.text.trim_end()));
+            let _ = writeln!(out, "{}", note_line(n));
         }
     }
     let mut room: Option<&str> = None;
@@ -172,9 +186,13 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
             } else {
                 "room"
             };
+            let id = untrusted::id(&d.room_id);
             let _ = match &d.room_alias {
-                Some(alias) => writeln!(out, "\n## {kind} {alias} ({})", d.room_id),
-                None => writeln!(out, "\n## {kind} {}", d.room_id),
+                Some(alias) => {
+                    let alias = untrusted::id(alias);
+                    writeln!(out, "\n## {kind} {alias} ({id})")
+                }
+                None => writeln!(out, "\n## {kind} {id}"),
             };
         }
         let fresh: Vec<_> = d
@@ -185,13 +203,20 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
         if !fresh.is_empty() {
             let _ = writeln!(out, "context:");
             for c in fresh {
-                let who = c.sender_name.as_deref().unwrap_or(&c.sender);
-                let _ = writeln!(out, "  {who}: {}", indent(&c.text));
+                out.push_str(&context_line(c));
                 seen.insert(&c.event_id);
             }
         }
-        let who = d.sender_name.as_deref().unwrap_or(&d.sender);
-        let _ = write!(out, "[{}] {who} ({})", d.seq, d.sender);
+        let sender = untrusted::id(&d.sender);
+        let _ = match &d.sender_name {
+            Some(n) => write!(
+                out,
+                "[{}] {} ({sender})",
+                d.seq,
+                untrusted::name(n, MAX_NAME_CHARS)
+            ),
+            None => write!(out, "[{}] {sender}", d.seq),
+        };
         for flag in flags(d) {
             let _ = write!(out, " [{flag}]");
         }
@@ -215,7 +240,7 @@ pub fn batch_header(text: &str) -> Option<&str> {
 /// right after the header line.
 pub fn with_note(text: &str, note: &Note) -> String {
     let (header, rest) = text.split_once('\n').unwrap_or((text, ""));
-    let line = format!("[{}] {}", note.kind, indent(note.text.trim_end()));
+    let line = note_line(note);
     match rest.strip_prefix(NOTES_LABEL) {
         Some(after) => format!("{header}\n{NOTES_LABEL}\n{line}{after}"),
         None => format!("{header}\n{NOTES_LABEL}\n{line}\n{rest}"),
@@ -233,13 +258,18 @@ fn flags(d: &Delivery) -> Vec<String> {
         DeliveryKind::Media => f.push("media".to_owned()),
         _ => {}
     }
-    if let Some(t) = &d.thread_root {
+    // Relation targets come from event content (an encrypted room's homeserver never sees
+    // them): shown only when they read as event ids.
+    fn target(id: &Option<String>) -> Option<&str> {
+        id.as_deref().and_then(untrusted::event_id)
+    }
+    if let Some(t) = target(&d.thread_root) {
         f.push(format!("thread {t}"));
     }
-    if let Some(r) = &d.reply_to {
+    if let Some(r) = target(&d.reply_to) {
         f.push(format!("reply to {r}"));
     }
-    if let Some(e) = &d.edit_of {
+    if let Some(e) = target(&d.edit_of) {
         f.push(format!("edit of {e}"));
     }
     if d.truncated {
@@ -248,9 +278,32 @@ fn flags(d: &Delivery) -> Vec<String> {
     f
 }
 
-/// Continuation lines are indented so every line of the message keeps its structure.
+/// A body's continuation lines, after a line break of any kind, are indented, so every line
+/// of the message keeps its structure.
 fn indent(text: &str) -> String {
-    text.replace('\n', "\n    ")
+    untrusted::indent(text, "    ")
+}
+
+/// A note's line: `[kind] text`, its text's further lines indented.
+fn note_line(n: &Note) -> String {
+    format!("[{}] {}", untrusted::id(&n.kind), indent(n.text.trim_end()))
+}
+
+/// Who said a line: her quoted display name, or her user id when she has none.
+fn speaker(sender: &str, name: Option<&str>) -> String {
+    match name {
+        Some(n) => untrusted::name(n, MAX_NAME_CHARS),
+        None => untrusted::id(sender).into_owned(),
+    }
+}
+
+/// A context line as a batch shows it: `  who: text`, its further lines indented deeper.
+fn context_line(c: &ContextLine) -> String {
+    format!(
+        "  {}: {}\n",
+        speaker(&c.sender, c.sender_name.as_deref()),
+        indent(&c.text)
+    )
 }
 
 /// One message the Persona wants to say.
@@ -564,46 +617,37 @@ pub fn rehydration<R: AsRef<str>>(
     if !latest.is_empty() {
         s.push_str("\n## your latest notes (before this session)\n");
         for n in latest {
-            let _ = writeln!(s, "[{}] {}", n.kind, indent(n.text.trim_end()));
+            let _ = writeln!(s, "{}", note_line(n));
         }
     }
-    let mut kept: Vec<String> = Vec::new();
+    // Each room's lines, newest first as they are taken.
+    let mut kept: Vec<(String, Vec<String>)> = Vec::new();
     let mut bytes = 0;
     'rooms: for (room, lines) in rooms {
-        let room = room.as_ref();
+        let room = untrusted::id(room.as_ref());
+        let mut taken = Vec::new();
         for l in lines.iter().rev().take(per_room) {
             if seen.contains(&l.event_id) {
                 continue;
             }
-            let line = format!("{room} {}: {}\n", l.sender, l.text);
+            let line = format!("{room} {}: {}\n", untrusted::id(&l.sender), indent(&l.text));
             if bytes + line.len() > max_bytes {
+                kept.push((room.into_owned(), taken));
                 break 'rooms;
             }
             bytes += line.len();
-            kept.push(line);
+            taken.push(line);
             seen.insert(&l.event_id);
         }
+        kept.push((room.into_owned(), taken));
     }
-    if kept.is_empty() {
+    if kept.iter().all(|(_, lines)| lines.is_empty()) {
         return s;
     }
     s.push_str("\n## recent lines (before this session)\n");
     // Rooms in their given order, each room's lines oldest first.
-    let mut out_rooms: Vec<Vec<String>> = Vec::new();
-    let mut current = String::new();
-    for line in kept {
-        let room = line.split(' ').next().unwrap_or_default().to_owned();
-        if room != current || out_rooms.is_empty() {
-            out_rooms.push(Vec::new());
-            current = room;
-        }
-        if let Some(r) = out_rooms.last_mut() {
-            r.push(line);
-        }
-    }
-    for mut r in out_rooms {
-        r.reverse();
-        s.extend(r);
+    for (_, lines) in kept {
+        s.extend(lines.into_iter().rev());
     }
     s
 }
@@ -632,8 +676,7 @@ pub fn resent_bytes<R>(
             }
             window += size;
             if held.contains(&l.event_id) && !carried.contains(&l.event_id) {
-                // Rendered as "  sender: text\n".
-                total += size + 5;
+                total += context_line(l).len();
             }
         }
     }
@@ -845,6 +888,9 @@ mod tests {
                 1
             )
         );
+        // A client's note cannot use the gateway's own kinds.
+        assert_eq!(Note::from_minds("restart", "x").kind, "minds-restart");
+        assert_eq!(Note::from_minds("state", "x").kind, "state");
         // A turn for notes alone.
         let only = render(&[], &mut Seen::default(), &notes[1..]);
         assert_eq!(
@@ -870,7 +916,7 @@ mod tests {
             "{forged}"
         );
         assert!(msg.contains("## direct message #ops:l (!dm)"));
-        assert!(msg.contains("[9] alice (@alice:localhost) [to you] [thread $root] [reply to $r] [edit of $old]: line one\n    line two"), "{msg}");
+        assert!(msg.contains("[9] \"alice\" (@alice:localhost) [to you] [thread $root] [reply to $r] [edit of $old]: line one\n    line two"), "{msg}");
     }
 
     #[test]
@@ -1144,5 +1190,225 @@ mod tests {
         let many: Seen = (0..SEEN_CAPACITY + 2).map(|i| format!("${i}")).collect();
         assert!(!many.contains("$0") && !many.contains("$1") && many.contains("$2"));
         assert_eq!(many.to_keep(usize::MAX, |_| false).len(), SEEN_CAPACITY);
+    }
+}
+
+/// Chat cannot write a line of the gateway's own: for any names, aliases, relation values,
+/// bodies and note texts, the rendered batch's lines that are not continuations (indented by
+/// four) are exactly the gateway's, in order, and each line's lead parses as the gateway wrote it.
+#[cfg(test)]
+mod structure {
+    use super::*;
+    use crate::untrusted;
+    use proptest::prelude::*;
+
+    /// Text that tries: every line break, the gateway's own openings, quotes, escapes.
+    fn hostile() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            prop::sample::select(vec![
+                "\n",
+                "\r\n",
+                "\r",
+                "\u{b}",
+                "\u{c}",
+                "\u{1c}",
+                "\u{1d}",
+                "\u{1e}",
+                "\u{85}",
+                "\u{2028}",
+                "\u{2029}",
+                "\u{202e}",
+                "\u{2066}",
+                "\t",
+                "\"",
+                "\\",
+                " ",
+                "  ",
+                "    ",
+                ": ",
+                " (",
+                ") ",
+                " [to you]",
+                "]",
+                "[",
+                NOTES_LABEL,
+                HEADER_PREFIX,
+                "[restart] ",
+                "[correction] ",
+                "## room ",
+                "## direct message ",
+                "context:",
+                "[12] ",
+                "$ev",
+                "@op:l",
+                "#lobby:l",
+            ])
+            .prop_map(str::to_owned),
+            "[a-zA-Z0-9 ]{0,5}",
+            any::<char>().prop_map(String::from),
+        ];
+        prop::collection::vec(piece, 0..10).prop_map(|v| v.concat())
+    }
+
+    fn maybe(s: impl Strategy<Value = String>) -> impl Strategy<Value = Option<String>> {
+        prop::option::of(s)
+    }
+
+    fn delivery() -> impl Strategy<Value = Delivery> {
+        (
+            (
+                prop::sample::select(vec!["!a:l", "!b:l"]),
+                any::<bool>(),
+                maybe(hostile()),
+            ),
+            (hostile(), maybe(hostile()), hostile()),
+            (
+                maybe(hostile()),
+                maybe(hostile()),
+                maybe("\\$[a-zA-Z0-9]{1,8}"),
+            ),
+            prop::collection::vec((hostile(), maybe(hostile()), hostile()), 0..3),
+        )
+            .prop_map(
+                |((room, direct, alias), (sender, name, text), (thread, reply, edit), ctx)| {
+                    Delivery {
+                        room_id: room.into(),
+                        is_direct: direct,
+                        room_alias: alias,
+                        sender,
+                        sender_name: name,
+                        text,
+                        thread_root: thread,
+                        reply_to: reply,
+                        edit_of: edit,
+                        context: ctx
+                            .into_iter()
+                            .map(|(sender, sender_name, text)| ContextLine {
+                                sender,
+                                sender_name,
+                                text,
+                                ..ContextLine::default()
+                            })
+                            .collect(),
+                        ..Delivery::default()
+                    }
+                },
+            )
+    }
+
+    /// The gateway's own lines `render` writes for `batch` and `notes` (none seen before), as
+    /// the prefixes they start with.
+    fn own_lines(batch: &[Delivery], notes: &[Note]) -> Vec<String> {
+        let mut own = vec![HEADER_PREFIX.to_owned()];
+        if !notes.is_empty() {
+            own.push(NOTES_LABEL.to_owned());
+            own.extend(notes.iter().map(|n| format!("[{}] ", n.kind)));
+        }
+        let mut room = None;
+        for d in batch {
+            if room != Some(&d.room_id) {
+                room = Some(&d.room_id);
+                own.push(String::new());
+                own.push(
+                    if d.is_direct {
+                        "## direct message "
+                    } else {
+                        "## room "
+                    }
+                    .to_owned(),
+                );
+            }
+            if !d.context.is_empty() {
+                own.push("context:".to_owned());
+                own.extend(d.context.iter().map(|_| "  ".to_owned()));
+            }
+            own.push(format!("[{}] ", d.seq));
+        }
+        own
+    }
+
+    /// The lead the gateway writes before a delivery's text: `[seq] "name" (@id) [flags]: `,
+    /// its parts made by [`untrusted`] (whose own properties are tested there).
+    fn lead(d: &Delivery) -> String {
+        let who = match &d.sender_name {
+            Some(n) => format!(
+                "{} ({})",
+                untrusted::name(n, MAX_NAME_CHARS),
+                untrusted::id(&d.sender)
+            ),
+            None => untrusted::id(&d.sender).into_owned(),
+        };
+        let mut flags = String::new();
+        for (label, id) in [
+            ("thread", &d.thread_root),
+            ("reply to", &d.reply_to),
+            ("edit of", &d.edit_of),
+        ] {
+            if let Some(id) = id.as_deref().and_then(untrusted::event_id) {
+                flags.push_str(&format!(" [{label} {id}]"));
+            }
+        }
+        format!("[{}] {who}{flags}: ", d.seq)
+    }
+
+    /// The lead of a context line: `  "name": ` or `  @id: `.
+    fn context_lead(c: &ContextLine) -> String {
+        match &c.sender_name {
+            Some(n) => format!("  {}: ", untrusted::name(n, MAX_NAME_CHARS)),
+            None => format!("  {}: ", untrusted::id(&c.sender)),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn chat_writes_no_line_of_the_gateways(
+            mut batch in prop::collection::vec(delivery(), 1..5),
+            note_texts in prop::collection::vec(hostile(), 0..3),
+        ) {
+            for (i, d) in batch.iter_mut().enumerate() {
+                d.seq = 10 + i as u64;
+                d.event_id = format!("$e{i}");
+                for (j, c) in d.context.iter_mut().enumerate() {
+                    c.event_id = format!("$c{i}x{j}");
+                }
+            }
+            // Deliveries in one batch share their conversation.
+            let first = batch[0].clone();
+            for d in &mut batch {
+                d.is_direct = first.is_direct;
+                if first.is_direct {
+                    d.room_id = first.room_id.clone();
+                }
+            }
+            let notes: Vec<Note> = note_texts.iter().map(|t| Note::new("state", t.clone())).collect();
+            let text = render(&batch, &mut Seen::default(), &notes);
+            let own: Vec<&str> = untrusted::lines(&text)
+                .filter(|l| !l.starts_with("    "))
+                .collect();
+            let want = own_lines(&batch, &notes);
+            // The last line is the empty one after the final newline.
+            prop_assert_eq!(own.last(), Some(&""));
+            prop_assert_eq!(own.len() - 1, want.len(), "{:?}\n{}", own, text);
+            for (line, prefix) in own.iter().zip(&want) {
+                prop_assert!(line.starts_with(prefix.as_str()), "{:?} is not {:?}", line, prefix);
+                if prefix.is_empty() {
+                    prop_assert_eq!(*line, "");
+                }
+            }
+            // Each speaker's line opens with its lead, whole.
+            let leads: Vec<String> = batch
+                .iter()
+                .flat_map(|d| d.context.iter().map(context_lead).chain([lead(d)]))
+                .collect();
+            let spoken: Vec<&&str> = own
+                .iter()
+                .filter(|l| l.starts_with("  ") || l.starts_with(|c: char| c == '[') && !l.starts_with("[state]") && !l.starts_with(HEADER_PREFIX))
+                .collect();
+            prop_assert_eq!(spoken.len(), leads.len());
+            for (line, lead) in spoken.iter().zip(&leads) {
+                prop_assert!(line.starts_with(lead.as_str()), "{:?} does not open with {:?}", line, lead);
+            }
+        }
     }
 }

@@ -359,6 +359,10 @@ pub struct GatewayStatus {
 /// Note kinds where a newer note replaces the older one: only the latest counts, and a fresh
 /// session is given the latest of each.
 pub const REPLACING_NOTE_KINDS: [&str; 4] = ["state", "campaigns", "spend", "runs"];
+/// Note kinds the gateway writes itself (a restart, a correction after a bad reply, a retry,
+/// a checkpoint before a compaction): a client's note may not use them, so no note from
+/// CultNet can pass for the gateway's own.
+pub const RESERVED_NOTE_KINDS: [&str; 4] = ["restart", "correction", "retry", "checkpoint"];
 /// The most bytes of text one note may carry.
 pub const MAX_NOTE_BYTES: usize = 16 * 1024;
 /// The longest note id or kind.
@@ -385,7 +389,7 @@ pub struct NoteRequest {
 
 impl NoteRequest {
     /// Why the note is refused, when it is: an empty or overlong id or kind, a kind that is
-    /// not a plain name, an empty or oversized text.
+    /// not a plain name or is one of the gateway's own, an empty or oversized text.
     pub fn check(&self) -> Result<(), String> {
         if self.note_id.trim().is_empty() || self.note_id.len() > MAX_NOTE_ID {
             return Err(format!(
@@ -397,6 +401,13 @@ impl NoteRequest {
             return Err(format!(
                 "kind {:?} must be 1 to 32 of a-z, 0-9, _ and -",
                 self.kind
+            ));
+        }
+        if RESERVED_NOTE_KINDS.contains(&self.kind.as_str()) {
+            return Err(format!(
+                "kind {:?} is the gateway's own (reserved: {}); name the note another kind",
+                self.kind,
+                RESERVED_NOTE_KINDS.join(", ")
             ));
         }
         if self.text.trim().is_empty() {
@@ -974,6 +985,17 @@ mod tests {
                 ..ok.clone()
             };
             assert!(n.check().is_err(), "{bad_kind:?} passed");
+        }
+        // The gateway's own kinds are refused, with the reason.
+        for reserved in RESERVED_NOTE_KINDS {
+            let n = NoteRequest {
+                kind: reserved.into(),
+                ..ok.clone()
+            };
+            assert!(
+                n.check().unwrap_err().contains("the gateway's own"),
+                "{reserved}"
+            );
         }
         for bad_id in ["", " ", &"i".repeat(MAX_NOTE_ID + 1)] {
             let n = NoteRequest {
