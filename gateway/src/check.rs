@@ -539,6 +539,15 @@ async fn live(p: &Persona) -> Vec<Line> {
             )),
         }
     }
+    match p.budget.usd_per_day {
+        Some(cap) => out.push(ok(&s("budget"), format!("at most ${cap} in any 24 hours"))),
+        None => out.push(bad(
+            Level::Warn,
+            &s("budget"),
+            "no daily cap: anyone in her rooms can make her spend without limit",
+            "set [persona.budget] usd_per_day",
+        )),
+    }
     if sc.reply_schema_file.is_some() {
         match sc.reply_schema(&p.id) {
             Ok(_) => out.push(ok(&s("reply schema"), "valid")),

@@ -247,7 +247,24 @@ pub struct Persona {
     /// Her live session (off by default: mouth-only).
     #[serde(default)]
     pub session: SessionConfig,
+    /// What she may spend (`[persona.budget]`; no cap by default, which `check` warns of).
+    #[serde(default)]
+    pub budget: Budget,
 }
+
+/// What a live Persona may spend on the model: her operator's cap, enforced before any call
+/// that costs (a turn, a keep-warm refresh, a compaction).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Budget {
+    /// Dollars she may spend in any 24 hours (billed by her price table). Unset: no cap.
+    /// Once reached, her mail waits (nothing is lost) until the window moves on or a reload
+    /// raises the cap.
+    pub usd_per_day: Option<f64>,
+}
+
+// Loading rejects NaN, so equality is reflexive on every loaded config.
+impl Eq for Budget {}
 
 /// The CultNet endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -641,6 +658,15 @@ impl Config {
                     ));
                 }
             }
+            if let Some(cap) = p.budget.usd_per_day {
+                if !(cap.is_finite() && cap >= 0.0) {
+                    return Err(err(
+                        who,
+                        "budget.usd_per_day",
+                        format!("{cap} is not an amount in dollars (0 or more)"),
+                    ));
+                }
+            }
             let sc = &p.session;
             if sc.mode == SessionMode::Live {
                 if sc.system_prompt_file.is_none() {
@@ -1013,6 +1039,27 @@ operators = ["@op:localhost"]
             prices("prices = { input = 3.0, output = 9.0 }").is_err(),
             "unknown keys refused"
         );
+    }
+
+    #[test]
+    fn a_budget_is_dollars_a_day_checked_on_load() {
+        let budget = |body: &str| Config::parse(&format!("{GOOD}\n[persona.budget]\n{body}"));
+        assert_eq!(
+            Config::parse(GOOD).unwrap().personas[0].budget.usd_per_day,
+            None
+        );
+        let c = budget("usd_per_day = 2.5").unwrap();
+        assert_eq!(c.personas[0].budget.usd_per_day, Some(2.5));
+        for body in [
+            "usd_per_day = -1.0",
+            "usd_per_day = nan",
+            "usd_per_day = inf",
+        ] {
+            let e = budget(body).unwrap_err();
+            assert_eq!(e.key, "budget.usd_per_day", "{body}: {e}");
+            assert_eq!(e.persona.as_deref(), Some("mira"));
+        }
+        assert!(budget("usd_a_day = 1.0").is_err(), "unknown keys refused");
     }
 
     #[test]

@@ -86,6 +86,11 @@ pub struct Metrics {
     pub requests_limited: Family<ReasonLabel, Counter>,
     /// CultNet clients disconnected for breaking their limits, by limit.
     pub clients_cut_off: Family<ReasonLabel, Counter>,
+    /// 1 while a Persona's spend in the last 24 hours has reached her daily cap (her mail
+    /// waits), else 0.
+    pub over_budget: Family<PersonaLabel, Gauge>,
+    /// When an over-budget Persona resumes, seconds since the epoch (0 when she is not).
+    pub budget_resumes_at: Family<PersonaLabel, Gauge>,
 }
 
 /// The limits a request can be refused for ([`Metrics::limited`]).
@@ -113,6 +118,8 @@ impl Metrics {
             peers: Gauge::default(),
             requests_limited: Family::default(),
             clients_cut_off: Family::default(),
+            over_budget: Family::default(),
+            budget_resumes_at: Family::default(),
         };
         // Every limit's series exists from the start at 0, so a dashboard shows a flat line,
         // not "no data", and a rate over the first cut-off is right.
@@ -485,6 +492,16 @@ fn registry(state: Arc<Mutex<Snapshot>>) -> Registry {
         m.decisions.clone(),
     );
     r.register("sends", "Matrix sends, by status", m.sends.clone());
+    r.register(
+        "over_budget",
+        "1 while a Persona's spend in the last 24 hours has reached her daily cap",
+        m.over_budget.clone(),
+    );
+    r.register(
+        "budget_resumes_at_seconds",
+        "When an over-budget Persona resumes (seconds since the epoch; 0 when she is not over)",
+        m.budget_resumes_at.clone(),
+    );
     r.register(
         "send_duration_seconds",
         "Send request to receipt",

@@ -224,6 +224,32 @@ struct StatusFile {
     /// Why her session cannot take turns now (`unauthorized: ...`), until a turn succeeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     last_error: Option<String>,
+    /// Her spend has reached her daily cap: nothing that costs starts before it resumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    over_budget: Option<OverBudget>,
+}
+
+/// Her spend in the last 24 hours has reached her cap (`[persona.budget] usd_per_day`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+struct OverBudget {
+    /// Spent in the window, dollars.
+    spent_usd: f64,
+    /// The cap, dollars.
+    cap_usd: f64,
+    /// When enough spend has left the window, ms since the epoch.
+    resumes_at_ms: i64,
+}
+
+impl OverBudget {
+    /// What her status says of it.
+    fn describe(&self) -> String {
+        format!(
+            "over_budget: ${:.4} spent in the last 24 hours of a ${:.4} cap; her mail waits {} more (or until a reload raises budget.usd_per_day)",
+            self.spent_usd,
+            self.cap_usd,
+            human_duration(self.resumes_at_ms - crate::ear::unix_ms()),
+        )
+    }
 }
 
 /// A Persona's turn loop.
@@ -264,6 +290,8 @@ pub struct TurnLoop {
     failed: Option<ApiFailure>,
     /// After a batch that no session could hold: how much of it the next turn takes.
     shrink: Option<Shrink>,
+    /// What she was billed in the last 24 hours, against her daily cap.
+    spend: session::budget::Spend,
 }
 
 /// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
@@ -378,7 +406,29 @@ impl TurnLoop {
             model: base.model.clone(),
             previous_sessions: earlier.previous_sessions,
             last_error: None,
+            over_budget: None,
         };
+        // Her budget's metrics start from "within" (a reload restarts her turn loop); her
+        // first check publishes what holds.
+        let label = crate::metrics::PersonaLabel {
+            persona: persona.id.clone(),
+        };
+        crate::metrics::global()
+            .over_budget
+            .get_or_create(&label)
+            .set(0);
+        crate::metrics::global()
+            .budget_resumes_at
+            .get_or_create(&label)
+            .set(0);
+        // Her spend in the last 24 hours, from her history (every billed record is there).
+        let mut spend = session::budget::Spend::default();
+        let since = crate::ear::unix_ms() - session::budget::WINDOW_MS;
+        for r in read_history(&status_path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
+            if r.at_ms > since {
+                spend.add(r.at_ms, r.cost_usd);
+            }
+        }
         // She has had turns before: her first batch in this run says she was restarted.
         let restarted = (status.turns_total > 0).then_some("the gateway");
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
@@ -420,6 +470,7 @@ impl TurnLoop {
             fired: None,
             failed,
             shrink: None,
+            spend,
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -466,7 +517,8 @@ impl TurnLoop {
             match drained {
                 Ok(()) => {
                     backoff.reset();
-                    self.set_error(None);
+                    let over = self.status.over_budget.map(|o| o.describe());
+                    self.set_error(over);
                 }
                 Err(e) => {
                     let wait = backoff.next(None);
@@ -507,7 +559,19 @@ impl TurnLoop {
                         None => std::future::pending().await,
                     }
                 };
+                // Over her budget: her waiting mail is taken up when she resumes.
+                let resume = self.status.over_budget.map(|o| {
+                    let wait = (o.resumes_at_ms - crate::ear::unix_ms()).max(0) as u64;
+                    tokio::time::Instant::now() + Duration::from_millis(wait)
+                });
+                let resumed = async {
+                    match resume {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
+                    _ = resumed => break true,
                     _ = self.signals.mail.notified() => break false,
                     _ = self.turn_requests.notified() => break true,
                     Some(c) = self.control_rx.recv() => self.apply_control(c).await,
@@ -523,6 +587,47 @@ impl TurnLoop {
             }
         }
         self.shutdown().await;
+    }
+
+    /// Whether her spend in the last 24 hours has reached her daily cap, so nothing that costs
+    /// may start now. Keeps her status, her metrics and the log up to date as it changes.
+    fn over_budget(&mut self) -> bool {
+        use session::budget::Allowance;
+        let now = crate::ear::unix_ms();
+        let over = match self.spend.allowance(now, self.persona.budget.usd_per_day) {
+            Allowance::Open => None,
+            Allowance::Over {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+            } => Some(OverBudget {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+            }),
+        };
+        if over != self.status.over_budget {
+            let label = crate::metrics::PersonaLabel {
+                persona: self.persona.id.clone(),
+            };
+            let m = crate::metrics::global();
+            m.over_budget
+                .get_or_create(&label)
+                .set(i64::from(over.is_some()));
+            m.budget_resumes_at
+                .get_or_create(&label)
+                .set(over.map_or(0, |o| o.resumes_at_ms / 1000));
+            match &over {
+                Some(o) => {
+                    tracing::warn!(persona = %self.persona.id, spent_usd = o.spent_usd, cap_usd = o.cap_usd, resumes_at_ms = o.resumes_at_ms, "over her budget: no turn starts until she resumes")
+                }
+                None => tracing::info!(persona = %self.persona.id, "within her budget again"),
+            }
+            self.status.over_budget = over;
+            self.save_status();
+            self.set_error(over.map(|o| o.describe()));
+        }
+        over.is_some()
     }
 
     /// Records why her session cannot take turns (for her status file and CultNet status).
@@ -572,6 +677,12 @@ impl TurnLoop {
                 let Some(sid) = self.status.session_id.clone() else {
                     return;
                 };
+                if self.over_budget() {
+                    tracing::info!(persona = %self.persona.id, "keep-warm skipped: over her budget");
+                    // Not again before her next turn.
+                    self.telemetry.last_cache_touch = None;
+                    return;
+                }
                 match session::driver::refresh_fork(&self.base, &sid).await {
                     Ok(r) => {
                         let usage = r.usage.usage();
@@ -668,7 +779,7 @@ impl TurnLoop {
             });
             if page.deliveries.is_empty() {
                 let wake = self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
-                if !wake {
+                if !wake || self.over_budget() {
                     return Ok(());
                 }
                 self.turn(&[]).await?;
@@ -683,6 +794,9 @@ impl TurnLoop {
                     .collect(),
                 _ => render::next_batch(&page.deliveries, self.persona.session.max_batch).to_vec(),
             };
+            if self.over_budget() {
+                return Ok(());
+            }
             match self.shrink {
                 Some(Shrink::Deliveries(n)) => batch.truncate(n),
                 Some(Shrink::Cut { seq, bytes }) => {
@@ -740,6 +854,12 @@ impl TurnLoop {
             ControlAction::Compact => {
                 if self.status.session_id.is_none() {
                     Err("she has no session to compact yet".to_owned())
+                } else if self.over_budget() {
+                    Err(self
+                        .status
+                        .over_budget
+                        .map(|o| o.describe())
+                        .unwrap_or_default())
                 } else {
                     let before = self.telemetry.prefix_tokens;
                     if let Err(e) = self.checkpoint().await {
@@ -1717,6 +1837,7 @@ impl TurnLoop {
 
     /// Appends `record` to her history file (a failure is logged: the turn is done anyway).
     fn append_to_history(&mut self, record: &TurnRecord) {
+        self.spend.add(record.at_ms, record.cost_usd);
         if let Err(e) = append_history(
             &self.status_path.with_file_name(HISTORY_FILE),
             record,

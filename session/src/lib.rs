@@ -1,5 +1,6 @@
 //! The live Persona session (issue 4), its pure parts first:
 //!
+//! - [`budget`]: her rolling 24-hour spend against her operator's daily cap, and when she resumes.
 //! - [`cost`]: token usage and what it costs under a price table (cache writes at 1.25x / 2x,
 //!   reads at 0.1x of base input).
 //! - [`policy`]: the refresh decision, a pure `decide(telemetry, now, config)`: continue,
@@ -18,6 +19,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod budget;
 pub mod cost;
 pub mod driver;
 pub mod policy;

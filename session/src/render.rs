@@ -1403,7 +1403,7 @@ mod structure {
                 .collect();
             let spoken: Vec<&&str> = own
                 .iter()
-                .filter(|l| l.starts_with("  ") || l.starts_with(|c: char| c == '[') && !l.starts_with("[state]") && !l.starts_with(HEADER_PREFIX))
+                .filter(|l| l.starts_with("  ") || l.starts_with('[') && !l.starts_with("[state]") && !l.starts_with(HEADER_PREFIX))
                 .collect();
             prop_assert_eq!(spoken.len(), leads.len());
             for (line, lead) in spoken.iter().zip(&leads) {

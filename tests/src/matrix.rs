@@ -81,6 +81,7 @@ pub fn persona(hs: &str, id: &str, rooms: &[&str], operators: &[&str]) -> Person
         operators: operators.iter().map(|s| s.to_string()).collect(),
         limits: Limits::default(),
         session: Default::default(),
+        budget: Default::default(),
     }
 }
 

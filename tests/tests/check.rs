@@ -56,9 +56,23 @@ async fn check_names_each_problem_and_its_fix() {
         "ok    vera: model credential: API key",
         "ok    vera: prices: claude-sonnet-4-6: $3/MTok input (published)",
         "warn  vera: room #ck-lobby:localhost: not joined yet",
+        "warn  vera: budget: no daily cap",
     ] {
         assert!(out.contains(want), "{want:?} missing:\n{out}");
     }
+    // A daily cap is named.
+    let capped = dir.join("capped.toml");
+    std::fs::write(
+        &capped,
+        format!("{text}\n[persona.budget]\nusd_per_day = 5.0\n"),
+    )
+    .unwrap();
+    let (code, out) = check(&capped);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("ok    vera: budget: at most $5 in any 24 hours"),
+        "{out}"
+    );
     // A model without published prices is a warning (costed as Sonnet) unless priced.
     let mystery = dir.join("mystery.toml");
     std::fs::write(

@@ -1,0 +1,145 @@
+//! What she may spend: a rolling 24-hour window of her billed spend against her operator's
+//! daily cap. Pure: the caller passes the time in (ms since the epoch) and the spend it booked.
+//!
+//! Once the spend in the window reaches the cap, nothing that costs starts for her (no turn,
+//! no keep-warm refresh, no compaction); her mail waits, nothing lost. She resumes when enough
+//! of her spend has left the window to bring it below the cap, or when her operator raises
+//! the cap.
+
+use std::collections::VecDeque;
+
+/// The window a daily cap covers, in ms.
+pub const WINDOW_MS: i64 = 24 * 60 * 60 * 1000;
+
+/// Her spend over the last [`WINDOW_MS`]: what was billed and when, oldest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Spend {
+    entries: VecDeque<(i64, f64)>,
+}
+
+/// Whether she may spend now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Allowance {
+    /// Below the cap (or no cap).
+    Open,
+    /// At or above the cap: nothing that costs starts before `resumes_at_ms`.
+    Over {
+        /// Spent in the window (dollars).
+        spent_usd: f64,
+        /// The cap (dollars).
+        cap_usd: f64,
+        /// When enough of the spend has left the window (ms since the epoch).
+        resumes_at_ms: i64,
+    },
+}
+
+impl Spend {
+    /// Books `usd` billed at `at_ms` (a negative or non-finite amount books nothing). Entries
+    /// may come out of order (history read back): each is placed by its time.
+    pub fn add(&mut self, at_ms: i64, usd: f64) {
+        if !(usd.is_finite() && usd > 0.0) {
+            return;
+        }
+        let at = self.entries.partition_point(|(t, _)| *t <= at_ms);
+        self.entries.insert(at, (at_ms, usd));
+    }
+
+    /// Forgets what left the window before `now_ms`.
+    fn expire(&mut self, now_ms: i64) {
+        while self
+            .entries
+            .front()
+            .is_some_and(|(t, _)| *t <= now_ms - WINDOW_MS)
+        {
+            self.entries.pop_front();
+        }
+    }
+
+    /// Spent in the window that ends at `now_ms`, in dollars.
+    pub fn spent(&mut self, now_ms: i64) -> f64 {
+        self.expire(now_ms);
+        self.entries.iter().map(|(_, usd)| usd).sum()
+    }
+
+    /// Whether she may spend at `now_ms` under a cap of `cap_usd` a day (`None`: no cap).
+    pub fn allowance(&mut self, now_ms: i64, cap_usd: Option<f64>) -> Allowance {
+        let Some(cap) = cap_usd else {
+            return Allowance::Open;
+        };
+        let spent = self.spent(now_ms);
+        if spent < cap {
+            return Allowance::Open;
+        }
+        // The oldest entries leave first; she resumes once what stays is below the cap.
+        let mut left = spent;
+        let mut resumes_at_ms = now_ms;
+        for (t, usd) in &self.entries {
+            left -= usd;
+            resumes_at_ms = t + WINDOW_MS;
+            if left < cap {
+                break;
+            }
+        }
+        Allowance::Over {
+            spent_usd: spent,
+            cap_usd: cap,
+            resumes_at_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: i64 = 60 * 60 * 1000;
+
+    #[test]
+    fn no_cap_is_always_open() {
+        let mut s = Spend::default();
+        s.add(0, 1e9);
+        assert_eq!(s.allowance(1, None), Allowance::Open);
+    }
+
+    #[test]
+    fn the_cap_closes_at_its_amount_and_opens_as_spend_leaves_the_window() {
+        let mut s = Spend::default();
+        s.add(0, 1.0);
+        s.add(2 * H, 2.0);
+        assert_eq!(s.allowance(3 * H, Some(3.5)), Allowance::Open);
+        s.add(4 * H, 0.5);
+        // 3.5 of 3.5: closed, until the first dollar leaves (at 24 h), leaving 2.5.
+        assert_eq!(
+            s.allowance(5 * H, Some(3.5)),
+            Allowance::Over {
+                spent_usd: 3.5,
+                cap_usd: 3.5,
+                resumes_at_ms: 24 * H
+            }
+        );
+        // A lower cap needs more to leave: 3.5 -> 2.5 -> 0.5 at 26 h.
+        assert!(matches!(
+            s.allowance(5 * H, Some(1.0)),
+            Allowance::Over { resumes_at_ms, .. } if resumes_at_ms == 26 * H
+        ));
+        // A raised cap opens at once; the window moving on opens too.
+        assert_eq!(s.allowance(5 * H, Some(10.0)), Allowance::Open);
+        assert_eq!(s.allowance(24 * H, Some(3.5)), Allowance::Open);
+        assert!((s.spent(24 * H) - 2.5).abs() < 1e-9);
+        assert_eq!(s.spent(29 * H), 0.0);
+    }
+
+    #[test]
+    fn history_read_out_of_order_is_placed_by_time_and_bad_amounts_book_nothing() {
+        let mut s = Spend::default();
+        s.add(5 * H, 1.0);
+        s.add(H, 1.0);
+        s.add(3 * H, f64::NAN);
+        s.add(3 * H, -4.0);
+        assert_eq!(s.spent(6 * H), 2.0);
+        assert!(matches!(
+            s.allowance(6 * H, Some(1.5)),
+            Allowance::Over { resumes_at_ms, .. } if resumes_at_ms == 25 * H
+        ));
+    }
+}
