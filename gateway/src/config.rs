@@ -250,6 +250,54 @@ pub struct Persona {
     /// What she may spend (`[persona.budget]`; no cap by default, which `check` warns of).
     #[serde(default)]
     pub budget: Budget,
+    /// What starts her turns (`[persona.turns]`).
+    #[serde(default)]
+    pub turns: Turns,
+}
+
+/// What starts a live Persona's turns ([`session::admission`] decides by these).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Turns {
+    /// `"addressed"` (her operator's lines, DMs, mentions of her, replies to her, her threads),
+    /// `"all"` (every line) or `"minds"` (only CultNet turn requests).
+    pub start: session::admission::Start,
+    /// Unaddressed mail may start at most one turn this often (0: never; it rides with her
+    /// next turn).
+    pub ambient_every_secs: u64,
+    /// Turns one non-operator's lines may start in an hour.
+    pub per_sender_per_hour: u32,
+    /// Consecutive turns in one room started by other Personas of this gateway or by `bots`,
+    /// with no human line between; past it their lines start no turn until a human speaks.
+    pub bot_exchanges: u32,
+    /// Users whose lines count as a bot's (besides the other Personas of this gateway).
+    pub bots: Vec<String>,
+}
+
+impl Default for Turns {
+    fn default() -> Self {
+        let r = session::admission::Rules::default();
+        Self {
+            start: r.start,
+            ambient_every_secs: 0,
+            per_sender_per_hour: r.per_sender_per_hour,
+            bot_exchanges: r.bot_exchanges,
+            bots: Vec::new(),
+        }
+    }
+}
+
+impl Turns {
+    /// The rules [`session::admission`] decides by.
+    pub fn rules(&self) -> session::admission::Rules {
+        session::admission::Rules {
+            start: self.start,
+            ambient_every_ms: i64::try_from(self.ambient_every_secs.saturating_mul(1000))
+                .unwrap_or(i64::MAX),
+            per_sender_per_hour: self.per_sender_per_hour,
+            bot_exchanges: self.bot_exchanges,
+        }
+    }
 }
 
 /// What a live Persona may spend on the model: her operator's cap, enforced before any call
@@ -658,6 +706,15 @@ impl Config {
                     ));
                 }
             }
+            for (j, b) in p.turns.bots.iter().enumerate() {
+                if !is_user_id(b) {
+                    return Err(err(
+                        who,
+                        &format!("turns.bots[{j}]"),
+                        format!("{b:?} is not a Matrix user id"),
+                    ));
+                }
+            }
             if let Some(cap) = p.budget.usd_per_day {
                 if !(cap.is_finite() && cap >= 0.0) {
                     return Err(err(
@@ -1037,6 +1094,39 @@ operators = ["@op:localhost"]
         }
         assert!(
             prices("prices = { input = 3.0, output = 9.0 }").is_err(),
+            "unknown keys refused"
+        );
+    }
+
+    #[test]
+    fn what_starts_a_turn_has_defaults_and_is_checked_on_load() {
+        use session::admission::Start;
+        let turns = |body: &str| Config::parse(&format!("{GOOD}\n[persona.turns]\n{body}"));
+        let d = &Config::parse(GOOD).unwrap().personas[0].turns;
+        assert_eq!(
+            (
+                d.start,
+                d.ambient_every_secs,
+                d.per_sender_per_hour,
+                d.bot_exchanges
+            ),
+            (Start::Addressed, 0, 10, 3)
+        );
+        let c = turns("start = \"minds\"\nambient_every_secs = 600\nbots = [\"@hal:l\"]").unwrap();
+        let t = &c.personas[0].turns;
+        assert_eq!(
+            (t.start, t.rules().ambient_every_ms),
+            (Start::Minds, 600_000)
+        );
+        assert_eq!(
+            turns("start = \"all\"").unwrap().personas[0].turns.start,
+            Start::All
+        );
+        assert!(turns("start = \"some\"").is_err());
+        let e = turns("bots = [\"hal\"]").unwrap_err();
+        assert_eq!(e.key, "turns.bots[0]");
+        assert!(
+            turns("per_sender_an_hour = 1").is_err(),
             "unknown keys refused"
         );
     }

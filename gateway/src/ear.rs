@@ -321,6 +321,12 @@ impl Ear {
                 .chain(hold.iter_mut().map(|h| &mut h.delivery)),
         )
         .await;
+        for d in deliveries
+            .iter_mut()
+            .chain(hold.iter_mut().map(|h| &mut h.delivery))
+        {
+            d.to_you = d.to_you || self.answers_her(d);
+        }
         let inbox = self.inbox.clone();
         let id = self.persona.id.clone();
         let next = resp.next_batch.clone();
@@ -412,6 +418,26 @@ impl Ear {
             );
         }
         Ok(())
+    }
+
+    /// Whether `d` answers her: a reply to a line of hers, or a line in a thread she has
+    /// spoken in (its root hers, or a reply of hers in it), as her room's recent timeline and
+    /// the delivery's context show. Such a line is addressed to her, as a mention is.
+    fn answers_her(&self, d: &wire::docs::Delivery) -> bool {
+        let me = self.me.user_id.as_str();
+        let tl = self.timelines.get(&d.room_id);
+        let lines = || {
+            tl.into_iter()
+                .flatten()
+                .map(|(t, l)| (t.as_deref(), l))
+                .chain(d.context.iter().map(|l| (d.thread_root.as_deref(), l)))
+        };
+        let hers = |id: &str| lines().any(|(_, l)| l.event_id == id && l.sender == me);
+        let reply = d.reply_to.as_deref().is_some_and(hers);
+        let thread = d.thread_root.as_deref().is_some_and(|root| {
+            hers(root) || lines().any(|(t, l)| t == Some(root) && l.sender == me)
+        });
+        reply || thread
     }
 
     async fn sender_name(&self, room: &Room, ev: &Value) -> Option<String> {

@@ -40,6 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use session::admission::{Admission, Line, Rules, Verdict};
 use session::cost::{Prices, Usage};
 use session::driver::{Cli, CliConfig, DriverError, Turn};
 use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
@@ -292,6 +293,15 @@ pub struct TurnLoop {
     shrink: Option<Shrink>,
     /// What she was billed in the last 24 hours, against her daily cap.
     spend: session::budget::Spend,
+    /// Who started her turns lately, by her `[persona.turns]` rules (stored).
+    admission: Admission,
+    /// Her rules for what starts a turn.
+    rules: Rules,
+    /// Users whose lines count as a bot's: the other Personas of this gateway and her `bots`.
+    bots: Vec<String>,
+    /// When waiting mail may start a turn without new mail (a sender's hour or the ambient
+    /// interval running out), ms since the epoch.
+    recheck_at_ms: Option<i64>,
 }
 
 /// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
@@ -461,6 +471,7 @@ impl TurnLoop {
         let note = inbox.session_value(&persona.id, CORRECTION)?;
         let failed: Option<ApiFailure> = learned(&inbox, &persona.id, FAILED)?;
         let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
+        let admission: Admission = learned(&inbox, &persona.id, ADMISSION)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
             telemetry,
@@ -471,6 +482,10 @@ impl TurnLoop {
             failed,
             shrink: None,
             spend,
+            admission,
+            rules: persona.turns.rules(),
+            bots: persona.turns.bots.clone(),
+            recheck_at_ms: None,
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -492,14 +507,22 @@ impl TurnLoop {
         })
     }
 
+    /// Also counts the lines of `others` (the other Personas of this gateway) as a bot's.
+    pub fn with_other_personas(mut self, others: impl IntoIterator<Item = String>) -> Self {
+        self.bots.extend(others);
+        self
+    }
+
     /// Runs until `stop` turns true; the CLI is shut down on the way out.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
         let grace = Duration::from_secs(self.persona.session.shutdown_grace_secs);
         let stopping = stop.clone();
+        // Her Minds asked for a turn: the next drain takes one whatever the rules say.
+        let mut forced = false;
         loop {
             let drained = {
-                let drain = self.drain(&stopping);
+                let drain = self.drain(&stopping, forced);
                 tokio::pin!(drain);
                 tokio::select! {
                     r = &mut drain => Some(r),
@@ -543,7 +566,7 @@ impl TurnLoop {
                     continue;
                 }
             }
-            let forced = loop {
+            let turn_requested = loop {
                 self.telemetry.batch_waiting = false;
                 self.telemetry.process = if self.cli.is_some() {
                     Process::Running
@@ -570,8 +593,20 @@ impl TurnLoop {
                         None => std::future::pending().await,
                     }
                 };
+                // Waiting mail that may start a turn later without new mail.
+                let recheck = self.recheck_at_ms.map(|at| {
+                    let wait = (at - crate::ear::unix_ms()).max(0) as u64;
+                    tokio::time::Instant::now() + Duration::from_millis(wait)
+                });
+                let rechecked = async {
+                    match recheck {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
-                    _ = resumed => break true,
+                    _ = resumed => break false,
+                    _ = rechecked => break false,
                     _ = self.signals.mail.notified() => break false,
                     _ = self.turn_requests.notified() => break true,
                     Some(c) = self.control_rx.recv() => self.apply_control(c).await,
@@ -582,6 +617,7 @@ impl TurnLoop {
                     }
                 }
             };
+            forced = turn_requested;
             if !forced && !self.debounce(&mut stop).await {
                 break;
             }
@@ -761,9 +797,54 @@ impl TurnLoop {
             .unwrap_or(false)
     }
 
-    /// Runs turns until nothing is pending (mail, or a note that asked for a turn). Operators'
-    /// verbs waiting are applied before each turn, never during one.
-    pub async fn drain(&mut self, stop: &watch::Receiver<bool>) -> Result<(), TurnError> {
+    /// Books a turn on `batch` started by `trigger` (its seq, and whether ambient mail started
+    /// it; `None` for her Minds' request), and stores what the rules remember.
+    fn book_start(&mut self, batch: &[Delivery], trigger: Option<(u64, bool)>) {
+        let lines = self.lines(batch);
+        let hit = trigger.and_then(|(seq, ambient)| {
+            let at = batch.iter().position(|d| d.seq == seq)?;
+            Some((lines[at], ambient))
+        });
+        let mut admission = std::mem::take(&mut self.admission);
+        admission.started(
+            &self.rules,
+            &lines,
+            hit.as_ref().map(|(l, _)| l),
+            hit.is_some_and(|(_, ambient)| ambient),
+            crate::ear::unix_ms(),
+        );
+        self.admission = admission;
+        self.keep_learned(ADMISSION, &self.admission);
+    }
+
+    /// Her pending mail as her `[persona.turns]` rules see it.
+    fn lines<'d>(&self, pending: &'d [Delivery]) -> Vec<Line<'d>> {
+        pending
+            .iter()
+            .map(|d| Line {
+                room: &d.room_id,
+                sender: &d.sender,
+                addressed: d.is_direct || d.to_you,
+                operator: self.persona.operators.contains(&d.sender),
+                bot: self.bots.contains(&d.sender),
+            })
+            .collect()
+    }
+
+    /// Runs turns while her mail may start them (by her `[persona.turns]` rules; `forced`: the
+    /// first turn is her Minds' request and needs none), or a note asks for a turn; mail that
+    /// starts none waits and rides with her next turn. Between turns new mail is coalesced
+    /// (`debounce_ms` after the last, `max_wait_ms` at most). Operators' verbs waiting are
+    /// applied before each turn, never during one.
+    pub async fn drain(
+        &mut self,
+        stop: &watch::Receiver<bool>,
+        forced: bool,
+    ) -> Result<(), TurnError> {
+        let mut forced = forced;
+        let mut first = true;
+        let mut coalesced = false;
+        self.recheck_at_ms = None;
         loop {
             if *stop.borrow() {
                 return Ok(());
@@ -785,8 +866,47 @@ impl TurnLoop {
                 self.turn(&[]).await?;
                 continue;
             }
+            let retry = inflight.is_some_and(|(first, _)| page.deliveries[0].seq == first);
+            // What starts this turn: a retry was admitted before, her Minds' request needs
+            // nothing; otherwise her rules decide.
+            let mut trigger: Option<(u64, bool)> = None;
+            if !retry && !forced {
+                let now = crate::ear::unix_ms();
+                match self
+                    .admission
+                    .decide(&self.rules, &self.lines(&page.deliveries), now)
+                {
+                    Verdict::Start {
+                        trigger: i,
+                        ambient,
+                    } => {
+                        trigger = page.deliveries.get(i).map(|d| (d.seq, ambient));
+                    }
+                    Verdict::Wait { recheck_at_ms } => {
+                        tracing::debug!(persona = %id, pending = page.deliveries.len(), ?recheck_at_ms, "mail waits: nothing in it starts a turn");
+                        self.recheck_at_ms = recheck_at_ms;
+                        return Ok(());
+                    }
+                }
+                if !first && !coalesced {
+                    // Coalesce what came while the last turn ran, and comes just after; then
+                    // look again at the grown mail.
+                    let mut stop = stop.clone();
+                    if !self.debounce(&mut stop).await {
+                        return Ok(());
+                    }
+                    coalesced = true;
+                    continue;
+                }
+            }
+            if self.over_budget() {
+                return Ok(());
+            }
+            first = false;
+            forced = false;
+            coalesced = false;
             let mut batch: Vec<Delivery> = match inflight {
-                Some((first, last)) if page.deliveries[0].seq == first => page
+                Some((_, last)) if retry => page
                     .deliveries
                     .iter()
                     .take_while(|d| d.seq <= last)
@@ -794,8 +914,8 @@ impl TurnLoop {
                     .collect(),
                 _ => render::next_batch(&page.deliveries, self.persona.session.max_batch).to_vec(),
             };
-            if self.over_budget() {
-                return Ok(());
+            if !retry {
+                self.book_start(&batch, trigger);
             }
             match self.shrink {
                 Some(Shrink::Deliveries(n)) => batch.truncate(n),
@@ -1971,6 +2091,8 @@ pub fn human_duration(ms: i64) -> String {
 
 /// Session values holding what the policy learned about her.
 const GAPS: &str = "gaps";
+/// Session value: what her `[persona.turns]` rules remember (who started turns lately).
+const ADMISSION: &str = "admission";
 const SUMMARIES: &str = "summaries";
 /// What her resumed session has seen (a [`KeptSeen`]), so a restart of the gateway does not
 /// show her again the lines she holds.

@@ -1,5 +1,7 @@
 //! The live Persona session (issue 4), its pure parts first:
 //!
+//! - [`admission`]: what starts a turn (addressed lines, an ambient interval, per-sender and
+//!   bot-exchange limits), decided over her pending mail with time passed in.
 //! - [`budget`]: her rolling 24-hour spend against her operator's daily cap, and when she resumes.
 //! - [`cost`]: token usage and what it costs under a price table (cache writes at 1.25x / 2x,
 //!   reads at 0.1x of base input).
@@ -19,6 +21,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod admission;
 pub mod budget;
 pub mod cost;
 pub mod driver;

@@ -120,7 +120,8 @@ pub fn turns_on_request(session: &str) -> String {
 
 /// A live `[persona.session]` section with her doctrine at `prompt`, the mock's URL, a
 /// `credential` line (`api_key_file = ...` or `oauth_token_file = ...`) and `extra` lines:
-/// turns start 200 ms after the last mail (1 s at most) and may take 60 s.
+/// turns start 200 ms after the last mail (1 s at most) and may take 60 s. Every line starts
+/// a turn (`[persona.turns] start = "all"`, before it): replace that line for other rules.
 pub fn session_section(
     prompt: &std::path::Path,
     mock: &MockApi,
@@ -129,6 +130,9 @@ pub fn session_section(
 ) -> String {
     format!(
         r#"
+[persona.turns]
+start = "all"
+
 [persona.session]
 mode = "live"
 claude = "{claude}"

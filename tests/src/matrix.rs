@@ -82,6 +82,7 @@ pub fn persona(hs: &str, id: &str, rooms: &[&str], operators: &[&str]) -> Person
         limits: Limits::default(),
         session: Default::default(),
         budget: Default::default(),
+        turns: Default::default(),
     }
 }
 

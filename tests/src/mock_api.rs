@@ -648,7 +648,12 @@ pub fn respond(batch: &str) -> Value {
             continue;
         };
         if head.contains("[to you]") {
-            let name = head.split(' ').nth(1).unwrap_or("you");
+            // `"name" (@id)`, or `@id` for a sender with no display name.
+            let who = head.split_once("] ").map_or("", |(_, w)| w);
+            let name = match who.strip_prefix('"') {
+                Some(quoted) => quoted.split('"').next().unwrap_or("you"),
+                None => who.split(' ').next().unwrap_or("you"),
+            };
             says.push(json!({"room": r, "text": format!("{name}, you said \"{text}\": heard, and answered here in {r}.")}));
         }
     }
@@ -813,7 +818,7 @@ mod tests {
 
     #[test]
     fn the_responder_answers_what_was_addressed_to_her_where_it_was_said() {
-        let batch = "[cultnet batch 1-4: 4 new message(s)]\n## notes (from the gateway and your Minds, not chat)\n[state] [to you] fake: no\n\n## room #commons:l (!c)\ncontext:\n  ann: earlier\n[1] ann (@ann:l) [to you]: Vera, the agenda?\n[2] ann (@ann:l): lunch at noon\n\n## direct message !dm\n[3] ann (@ann:l) [to you]: hello\n    second line\n\n## recent lines (before this session)\n!c @ann:l: [to you]: old\n";
+        let batch = "[cultnet batch 1-4: 4 new message(s)]\n## notes (from the gateway and your Minds, not chat)\n[state] [to you] fake: no\n\n## room #commons:l (!c)\ncontext:\n  ann: earlier\n[1] \"ann\" (@ann:l) [to you]: Vera, the agenda?\n[2] \"ann\" (@ann:l): lunch at noon\n\n## direct message !dm\n[3] \"Ann Lee\" (@ann:l) [to you]: hello\n    second line\n\n## recent lines (before this session)\n!c @ann:l: [to you]: old\n";
         let r = respond(batch);
         let says = r["say"].as_array().unwrap();
         assert_eq!(says.len(), 2, "{r}");
@@ -826,7 +831,7 @@ mod tests {
         assert!(says[1]["text"]
             .as_str()
             .unwrap()
-            .starts_with("ann, you said \"hello\""));
+            .starts_with("Ann Lee, you said \"hello\""));
         assert_eq!(
             respond("[cultnet batch notes: no new messages]\n"),
             json!({"say": []})

@@ -1,16 +1,91 @@
 //! What she spends is governed, end to end (`cultnet-gateway run`, a real Synapse, the real
-//! claude CLI against the mock Messages API): with a daily cap, turns stop once her billed
-//! spend reaches it, her mail waits, her status and metrics say so, and a reload with a higher
-//! cap answers everything that waited, once.
+//! claude CLI against the mock Messages API):
+//! - with a daily cap, turns stop once her billed spend reaches it, her mail waits, her status
+//!   and metrics say so, and a reload with a higher cap answers everything that waited, once;
+//! - by default only lines addressed to her start turns, the rest ride with her next turn;
+//!   ambient mail keeps its interval;
+//! - one member mentioning her again and again starts at most her hourly turns;
+//! - a burst of 300 lines from three people reaches her once each, in order, in few turns;
+//! - two Personas whose every reply names the other stop within `bot_exchanges`, and a human
+//!   line lets them start again;
+//! - with `start = "minds"`, only a CultNet turn request starts a turn.
 
 use std::time::{Duration, Instant};
 
+use ed25519_dalek::SigningKey;
+use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use matrix_sdk::ruma::OwnedUserId;
 use serde_json::json;
 use tests::live::{from_vera, live_section, wait_for_reply};
-use tests::matrix::{add_metrics, public_room, scrape, write_config, GatewayProcess, Scene};
-use tests::mock_api::{MockApi, MockConfig};
+use tests::matrix::{
+    add_metrics, has_joined, persona_block, public_room, scrape, token_for, user_client,
+    write_config, GatewayProcess, Scene,
+};
+use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
+use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
+
+/// Her turns since ledger entry `from`: the mock's answered requests that are not a
+/// compaction's summary.
+fn turns_since(mock: &MockApi, from: usize) -> Vec<LedgerEntry> {
+    mock.ledger()[from..]
+        .iter()
+        .filter(|e| e.status == 200 && !e.is_summary())
+        .cloned()
+        .collect()
+}
+
+/// How many times `line` (a whole chat line's text) was sent to the model in `turns`.
+fn shown(turns: &[LedgerEntry], line: &str) -> usize {
+    let needle = format!(": {line}\n");
+    turns
+        .iter()
+        .map(|e| e.last_user_text.matches(&needle).count())
+        .sum()
+}
+
+/// Waits until `user` has joined `room` as `reader` sees it.
+async fn joined(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+    gw: &GatewayProcess,
+) {
+    let user: OwnedUserId = user.try_into().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !has_joined(reader, room, &user).await {
+        assert!(
+            Instant::now() < deadline,
+            "{user} did not join; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until the mock has had no request for `quiet`.
+async fn until_quiet(mock: &MockApi, quiet: Duration) {
+    let mut last = mock.ledger().len();
+    let mut since = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while since.elapsed() < quiet {
+        assert!(Instant::now() < deadline, "the model was never quiet");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = mock.ledger().len();
+        if n != last {
+            last = n;
+            since = Instant::now();
+        }
+    }
+}
+
+/// `session` (from [`live_section`]) with `[persona.turns]` set to `turns` instead of
+/// `start = "all"`.
+fn with_turns(session: &str, turns: &str) -> String {
+    assert!(session.contains("start = \"all\""), "{session}");
+    session.replacen("start = \"all\"", turns, 1)
+}
 
 /// Her status file.
 fn status(dir: &std::path::Path) -> serde_json::Value {
@@ -160,5 +235,351 @@ async fn at_her_daily_cap_her_mail_waits_and_a_higher_cap_answers_it_once() {
         assert!(Instant::now() < deadline, "still over: {}", status(&dir));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unaddressed_lines_ride_with_her_next_addressed_turn_and_ambient_mail_keeps_its_interval() {
+    let scene = Scene::new("governed-addressed", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "ga-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#ga-lobby:localhost"],
+        &[],
+        &with_turns(&session, "start = \"addressed\""),
+    );
+    let gw = GatewayProcess::start(&config);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+
+    // Ten lines meant for no one, each past the debounce (200 ms): no turn.
+    for i in 0..10 {
+        lobby.send(chat(&format!("lunch note {i}"))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        turns_since(&mock, 0).is_empty(),
+        "unaddressed lines started a turn"
+    );
+    // A line to her: one turn, which carries the ten.
+    mock.script(json!({"say": [{"room": room, "text": "got all of it"}]}));
+    lobby
+        .send(chat("vera, did you follow all that?"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &lobby, "got all of it", Duration::from_secs(90)).await;
+    let turns = turns_since(&mock, 0);
+    assert_eq!(turns.len(), 1, "{turns:?}");
+    for i in 0..10 {
+        assert_eq!(shown(&turns, &format!("lunch note {i}")), 1, "{i}");
+    }
+    assert!(turns[0]
+        .last_user_text
+        .contains("[to you]: vera, did you follow all that?"));
+
+    // Ambient mail, at most one turn every 4 s: 24 lines over 12 s.
+    std::fs::write(
+        &config,
+        std::fs::read_to_string(&config).unwrap().replace(
+            "start = \"addressed\"",
+            "start = \"addressed\"\nambient_every_secs = 4",
+        ),
+    )
+    .unwrap();
+    hup(&gw);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    let from = mock.ledger().len();
+    for i in 0..24 {
+        lobby.send(chat(&format!("chatter {i}"))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while shown(&turns_since(&mock, from), "chatter 23") == 0 {
+        assert!(Instant::now() < deadline, "the chatter never reached her");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let turns = turns_since(&mock, from);
+    for i in 0..24 {
+        assert_eq!(shown(&turns, &format!("chatter {i}")), 1, "{i}");
+    }
+    assert!(turns.len() >= 2, "{} turn(s)", turns.len());
+    let gaps: Vec<f64> = turns.windows(2).map(|w| w[1].at - w[0].at).collect();
+    println!(
+        "ambient turns: {} for 24 lines over 12 s, gaps {gaps:?} s",
+        turns.len()
+    );
+    assert!(
+        gaps.iter().all(|g| *g >= 3.5),
+        "ambient turns closer than the 4 s interval: {gaps:?}"
+    );
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_mentioning_her_again_and_again_starts_at_most_her_hourly_turns() {
+    let scene = Scene::new("governed-sender", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "gs-lobby").await;
+    let room = lobby.room_id().to_string();
+    scene.hs.register("mallory", "mallory-pw");
+    let mallory = user_client(&url, "mallory", "mallory-pw", &dir.join("mallory")).await;
+    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from("#gs-lobby:localhost").unwrap();
+    let m_lobby = mallory.join_room_by_id_or_alias(&alias, &[]).await.unwrap();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#gs-lobby:localhost"],
+        &[],
+        &with_turns(&session, "start = \"addressed\"\nper_sender_per_hour = 3"),
+    );
+    let gw = GatewayProcess::start(&config);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    let chat = |text: &str| RoomMessageEventContent::text_plain(text);
+
+    // Thirty mentions in 15 s, each past the debounce.
+    for i in 0..30 {
+        m_lobby
+            .send(chat(&format!("vera, look {i}")))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    until_quiet(&mock, Duration::from_secs(4)).await;
+    let by_mallory = turns_since(&mock, 0).len();
+    println!("30 mentions in 15 s from one member: {by_mallory} turn(s)");
+    assert!(
+        (1..=3).contains(&by_mallory),
+        "{by_mallory} turns from one member"
+    );
+    // Another member is not held, and her turn carries what waited.
+    mock.script(json!({"say": [{"room": room, "text": "yes, ann"}]}));
+    lobby.send(chat("vera, a word?")).await.unwrap();
+    wait_for_reply(ann, &lobby, "yes, ann", Duration::from_secs(90)).await;
+    until_quiet(&mock, Duration::from_secs(4)).await;
+    // What waited is more than one batch (`max_batch` 20): her line's turn may take two.
+    let turns = turns_since(&mock, 0);
+    assert!(
+        (by_mallory + 1..=by_mallory + 2).contains(&turns.len()),
+        "{} turns",
+        turns.len()
+    );
+    assert_eq!(shown(&turns, "vera, a word?"), 1);
+    for i in 0..30 {
+        assert_eq!(shown(&turns, &format!("vera, look {i}")), 1, "{i}");
+    }
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_300_lines_from_three_people_reaches_her_once_each_in_few_turns() {
+    let scene = Scene::new("governed-burst", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "gu-lobby").await;
+    let mut talkers = vec![lobby.clone()];
+    for name in ["bob", "carol"] {
+        scene.hs.register(name, &format!("{name}-pw"));
+        let c = user_client(&url, name, &format!("{name}-pw"), &dir.join(name)).await;
+        let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from("#gu-lobby:localhost").unwrap();
+        talkers.push(c.join_room_by_id_or_alias(&alias, &[]).await.unwrap());
+    }
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#gu-lobby:localhost"],
+        &[],
+        &with_turns(&session, "start = \"all\"\nper_sender_per_hour = 1000"),
+    );
+    let gw = GatewayProcess::start(&config);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+
+    // Three people, 100 lines each, one every 100 ms.
+    let started = Instant::now();
+    let sends = talkers.into_iter().enumerate().map(|(who, room)| {
+        tokio::spawn(async move {
+            for i in 0..100 {
+                room.send(RoomMessageEventContent::text_plain(format!(
+                    "p{who} line {i}"
+                )))
+                .await
+                .unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    });
+    for s in sends.collect::<Vec<_>>() {
+        s.await.unwrap();
+    }
+    let took = started.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (0..3).any(|w| shown(&turns_since(&mock, 0), &format!("p{w} line 99")) == 0) {
+        assert!(
+            Instant::now() < deadline,
+            "the burst never reached her; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let turns = turns_since(&mock, 0);
+    println!(
+        "300 lines from 3 people in {:.1} s: {} turns",
+        took.as_secs_f64(),
+        turns.len()
+    );
+    assert!(turns.len() <= 20, "{} turns", turns.len());
+    // Once each, and each person's lines in order.
+    let all: String = turns.iter().map(|e| e.last_user_text.as_str()).collect();
+    for w in 0..3 {
+        let mut at = 0;
+        for i in 0..100 {
+            let needle = format!(": p{w} line {i}\n");
+            assert_eq!(all.matches(&needle).count(), 1, "{needle:?}");
+            let pos = all.find(&needle).unwrap_or_default();
+            assert!(pos >= at, "{needle:?} out of order");
+            at = pos;
+        }
+    }
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_personas_naming_each_other_stop_within_their_bot_exchanges() {
+    let scene = Scene::new("governed-bots", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "gx-lobby").await;
+    scene.hs.register("mira", "mira-pw");
+    let mira_token = token_for(&url, "mira", "mira-pw", "GW-MIRA").await;
+    // The responder answers every line addressed to her, quoting it: a reply to a line that
+    // names both names both, so each answers the other.
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let turns = "start = \"addressed\"\nbot_exchanges = 2";
+    let block = |id: &str, token: &str| {
+        let prompt = dir.join(format!("{id}.md"));
+        std::fs::write(&prompt, format!("You are {id}. ").repeat(2000)).unwrap();
+        let key = dir.join("api.key");
+        tests::matrix::write_private(&key, "mock-key");
+        let session = tests::live::session_section(
+            &prompt,
+            &mock,
+            &format!("api_key_file = \"{}\"", key.display()),
+            "",
+        );
+        persona_block(
+            &dir,
+            id,
+            &url,
+            token,
+            &["#gx-lobby:localhost"],
+            &[],
+            &with_turns(&session, turns),
+        )
+    };
+    let config = dir.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n\n[cultnet]\nbind = \"127.0.0.1:0\"\n{}{}",
+            dir.join("state").display(),
+            block("vera", &scene.vera_token),
+            block("mira", &mira_token),
+        ),
+    )
+    .unwrap();
+    let gw = GatewayProcess::start(&config);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    joined(ann, &lobby, "@mira:localhost", &gw).await;
+
+    for round in 0..2 {
+        let from = mock.ledger().len();
+        lobby
+            .send(RoomMessageEventContent::text_plain(format!(
+                "vera and mira, round {round}: talk"
+            )))
+            .await
+            .unwrap();
+        until_quiet(&mock, Duration::from_secs(8)).await;
+        let n = turns_since(&mock, from).len();
+        println!("round {round}: {n} turns after one human line (bot_exchanges 2)");
+        // Each answers the human once, then at most two of the other's lines in a row.
+        assert!(n >= 4, "they did not answer each other: {n} turns");
+        assert!(n <= 2 * (1 + 2), "the exchange ran on: {n} turns");
+    }
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_start_minds_only_a_cultnet_turn_request_starts_a_turn() {
+    let scene = Scene::new("governed-minds", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "gm-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let heart = SigningKey::from_bytes(&[41; 32]);
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#gm-lobby:localhost"],
+        &["@ann:localhost"],
+        &format!(
+            "{}{}",
+            with_turns(&session, "start = \"minds\""),
+            tests::live::client_block("heart", &heart, &["vera"], &["turn"])
+        ),
+    );
+    let gw = GatewayProcess::start(&config);
+    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    // Her operator, addressing her: no turn.
+    lobby
+        .send(RoomMessageEventContent::text_plain("vera, are you there?"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(turns_since(&mock, 0).is_empty(), "a line started a turn");
+    mock.script(json!({"say": [{"room": room, "text": "here, on my heartbeat"}]}));
+    let mut c = Client::connect(gw.cultnet_addr(), "heart", &heart, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let r: TurnReceipt = c
+        .request(
+            ids::TURN_REQUEST,
+            "beat-1",
+            &TurnRequest {
+                persona: "vera".into(),
+                reason: Some("heartbeat".into()),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    wait_for_reply(
+        ann,
+        &lobby,
+        "here, on my heartbeat",
+        Duration::from_secs(60),
+    )
+    .await;
+    let turns = turns_since(&mock, 0);
+    assert_eq!(turns.len(), 1);
+    assert_eq!(shown(&turns, "vera, are you there?"), 1);
+    c.close().await;
     assert!(gw.stop().success());
 }

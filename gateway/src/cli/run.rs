@@ -442,7 +442,13 @@ async fn start_persona(
             base,
             s.reply_schema(&p.id)?,
             &cfg.state_dir,
-        )?;
+        )?
+        .with_other_personas(
+            cfg.personas
+                .iter()
+                .filter(|o| o.id != p.id)
+                .map(|o| o.user_id.clone()),
+        );
         port.turn_requests = Some(turns.turn_requests.clone());
         port.controls = Some(turns.controls.clone());
         tasks.spawn(turns.run(stop.clone()));
