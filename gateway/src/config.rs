@@ -476,6 +476,25 @@ pub struct Config {
     /// How long the inbox keeps what it no longer needs for delivery.
     #[serde(default)]
     pub retention: RetentionConfig,
+    /// Live sessions across the gateway.
+    #[serde(default)]
+    pub sessions: SessionsConfig,
+}
+
+/// `[sessions]`: live sessions across the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsConfig {
+    /// Live claude processes at most (about 160 MB each): past it the least recently used
+    /// idle Persona's process is stopped, her session kept on disk and resumed at her next
+    /// turn.
+    pub max_live: usize,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self { max_live: 32 }
+    }
 }
 
 /// `[retention]`: the inbox's event-id index and send receipts are pruned hourly of records
@@ -609,6 +628,13 @@ impl Config {
     }
 
     fn check(&self) -> Result<(), ConfigError> {
+        if self.sessions.max_live == 0 {
+            return Err(err(
+                None,
+                "sessions.max_live",
+                "must be at least 1 (live claude processes across the gateway)",
+            ));
+        }
         if !self.cultnet.bind.ip().is_loopback() {
             return Err(err(
                 None,
@@ -1129,6 +1155,14 @@ operators = ["@op:localhost"]
             turns("per_sender_an_hour = 1").is_err(),
             "unknown keys refused"
         );
+    }
+
+    #[test]
+    fn live_processes_are_capped_gateway_wide() {
+        assert_eq!(Config::parse(GOOD).unwrap().sessions.max_live, 32);
+        let with = |body: &str| Config::parse(&format!("{GOOD}\n[sessions]\n{body}"));
+        assert_eq!(with("max_live = 2").unwrap().sessions.max_live, 2);
+        assert_eq!(with("max_live = 0").unwrap_err().key, "sessions.max_live");
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! - [`inbox`]: the durable sled inbox (one batch per sync response, seqs, acks, receipts).
 //! - [`matrix`]: a Persona's matrix-sdk client, its store checks and the retry rules.
 //! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends.
-//! - [`turns`]: her live session's turn loop.
+//! - [`turns`]: her live session's turn loop; [`processes`]: the gateway-wide cap on live
+//!   claude processes (the least recently used idle one makes room).
 //! - [`service`]: what CultNet clients ask of the gateway, and its answers; [`client`]: the
 //!   other side, for tools and tests; [`quic`]: the same service for remote peers over QUIC.
 #![forbid(unsafe_code)]
@@ -25,6 +26,7 @@ pub mod markdown;
 pub mod matrix;
 pub mod metrics;
 pub mod mouth;
+pub mod processes;
 pub mod quic;
 pub mod report;
 pub mod service;

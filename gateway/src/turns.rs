@@ -55,6 +55,7 @@ use crate::ear::Signals;
 use crate::inbox::{Inbox, InboxError, TurnCommit};
 use crate::matrix::Backoff;
 use crate::mouth::Mouth;
+use crate::processes::{LiveSlot, Processes};
 
 /// CLI attempts per batch in one round.
 pub const ATTEMPTS: u32 = 3;
@@ -302,6 +303,12 @@ pub struct TurnLoop {
     /// When waiting mail may start a turn without new mail (a sender's hour or the ambient
     /// interval running out), ms since the epoch.
     recheck_at_ms: Option<i64>,
+    /// The gateway-wide cap on live processes (`[sessions] max_live`), and her slot in it
+    /// while her process lives.
+    processes: Option<Arc<Processes>>,
+    slot: Option<LiveSlot>,
+    /// She is asked to stop her idle process to make room for another Persona's.
+    evict: Arc<Notify>,
 }
 
 /// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
@@ -486,6 +493,9 @@ impl TurnLoop {
             rules: persona.turns.rules(),
             bots: persona.turns.bots.clone(),
             recheck_at_ms: None,
+            processes: None,
+            slot: None,
+            evict: Arc::new(Notify::new()),
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -510,6 +520,12 @@ impl TurnLoop {
     /// Also counts the lines of `others` (the other Personas of this gateway) as a bot's.
     pub fn with_other_personas(mut self, others: impl IntoIterator<Item = String>) -> Self {
         self.bots.extend(others);
+        self
+    }
+
+    /// Takes part in the gateway-wide cap on live processes.
+    pub fn with_processes(mut self, processes: Arc<Processes>) -> Self {
+        self.processes = Some(processes);
         self
     }
 
@@ -568,6 +584,14 @@ impl TurnLoop {
             }
             let turn_requested = loop {
                 self.telemetry.batch_waiting = false;
+                // Idle: her process, if it lives, may be stopped for another Persona's; a
+                // process that stopped frees its slot.
+                if self.cli.is_none() {
+                    self.slot = None;
+                }
+                if let Some(p) = &self.processes {
+                    p.idle(&self.persona.id);
+                }
                 self.telemetry.process = if self.cli.is_some() {
                     Process::Running
                 } else {
@@ -605,6 +629,14 @@ impl TurnLoop {
                     }
                 };
                 tokio::select! {
+                    _ = self.evict.notified() => {
+                        if self.cli.is_some() {
+                            tracing::info!(persona = %self.persona.id, "stopping her idle process to make room for another Persona's (her session is resumed at her next turn)");
+                            self.shutdown().await;
+                            self.telemetry.process = Process::Stopped;
+                        }
+                        self.slot = None;
+                    }
                     _ = resumed => break false,
                     _ = rechecked => break false,
                     _ = self.signals.mail.notified() => break false,
@@ -841,6 +873,9 @@ impl TurnLoop {
         stop: &watch::Receiver<bool>,
         forced: bool,
     ) -> Result<(), TurnError> {
+        if let Some(p) = &self.processes {
+            p.busy(&self.persona.id);
+        }
         let mut forced = forced;
         let mut first = true;
         let mut coalesced = false;
@@ -1078,6 +1113,11 @@ impl TurnLoop {
 
     async fn ensure_cli(&mut self) -> Result<&mut Cli, DriverError> {
         if self.cli.is_none() {
+            // A live process takes one of the gateway's slots, waiting for an idle Persona
+            // to stop hers when none is free.
+            if let (Some(p), None) = (&self.processes, &self.slot) {
+                self.slot = Some(p.acquire(&self.persona.id, self.evict.clone()).await);
+            }
             let id = &self.persona.id;
             let mut cfg = self.base.clone();
             match self.inbox.session_value(id, "session_id").ok().flatten() {

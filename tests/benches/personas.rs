@@ -6,17 +6,8 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use tests::matrix::{token_for, write_private, GatewayProcess};
+use tests::procfs::rss_kib;
 use tests::synapse::{Limits, Synapse};
-
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 fn config(dir: &std::path::Path, hs: &str, tokens: &[String]) -> std::path::PathBuf {
     let state = dir.join(format!("state-{}", tokens.len()));

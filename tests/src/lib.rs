@@ -10,6 +10,7 @@
 //! - [`workload`]: the seeded reference workload of the session benchmark.
 //! - [`fault_proxy`]: an HTTP proxy in front of Synapse that answers `/sync` with 429 on demand.
 //! - [`legacy`]: a CultNet client on the older session rules (every packet sequenced).
+//! - [`procfs`]: a process's resident memory and its children, from `/proc`.
 //! - [`ScratchDir`]: a test's directory, removed when the test passes, kept when it fails.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -20,6 +21,7 @@ pub mod legacy;
 pub mod live;
 pub mod matrix;
 pub mod mock_api;
+pub mod procfs;
 pub mod synapse;
 pub mod workload;
 

@@ -179,3 +179,64 @@ pub fn assert_history_is_the_bill(
         "recorded ${recorded}, billed ${bill}"
     );
 }
+
+/// A gateway config for live Personas `names` (vera first: the [`Scene`]'s), each registered
+/// (but vera) with a doctrine of her own, all in `#ALIAS:localhost`, against `mock`, with
+/// `[persona.turns]` lines `turns` and top-level sections `head` (`[sessions]` ...).
+///
+/// [`Scene`]: crate::matrix::Scene
+pub async fn live_cast(
+    scene: &crate::matrix::Scene,
+    names: &[&str],
+    alias: &str,
+    mock: &MockApi,
+    head: &str,
+    turns: &str,
+) -> std::path::PathBuf {
+    let dir = &scene.dir;
+    let key = dir.join("api.key");
+    write_private(&key, "mock-key");
+    let mut blocks = String::new();
+    for name in names {
+        let token = if *name == "vera" {
+            scene.vera_token.clone()
+        } else {
+            scene.hs.register(name, &format!("{name}-pw"));
+            crate::matrix::token_for(
+                &scene.url,
+                name,
+                &format!("{name}-pw"),
+                &format!("GW-{}", name.to_uppercase()),
+            )
+            .await
+        };
+        let prompt = dir.join(format!("{name}.md"));
+        std::fs::write(&prompt, format!("You are {name}. ").repeat(2000)).expect("doctrine");
+        let session = session_section(
+            &prompt,
+            mock,
+            &format!("api_key_file = \"{}\"", key.display()),
+            "",
+        )
+        .replacen("start = \"all\"", turns, 1);
+        blocks.push_str(&crate::matrix::persona_block(
+            dir,
+            name,
+            &scene.url,
+            &token,
+            &[&format!("#{alias}:localhost")],
+            &[],
+            &session,
+        ));
+    }
+    let config = dir.join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_dir = \"{}\"\n\n{head}\n[cultnet]\nbind = \"127.0.0.1:0\"\n{blocks}",
+            dir.join("state").display(),
+        ),
+    )
+    .expect("config");
+    config
+}

@@ -18,6 +18,7 @@ use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use tests::legacy::LegacyClient;
 use tests::live::said_by;
 use tests::matrix::{add_cultnet_lines, public_room, write_config, GatewayProcess, Scene};
+use tests::procfs::rss_kib;
 use tests::synapse::Limits;
 use wire::docs::{
     ids, AckReceipt, AckRequest, ConnectPayload, GatewayStatus, PendingPage, PendingRequest,
@@ -29,16 +30,6 @@ use wire::session::GATEWAY_CONNECTION_ID;
 /// One test at a time: each loads both cores on purpose (sprays, floods, 500 connections), and
 /// run side by side they would measure each other instead of the gateway.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// The gateway's resident memory, in KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
-}
 
 fn client_block(agent: &str, key: &SigningKey) -> String {
     tests::live::client_block(agent, key, &["vera"], &["pending", "ack", "send", "status"])

@@ -19,10 +19,10 @@ use matrix_sdk::ruma::OwnedUserId;
 use serde_json::json;
 use tests::live::{from_vera, live_section, wait_for_reply};
 use tests::matrix::{
-    add_metrics, has_joined, persona_block, public_room, scrape, token_for, user_client,
-    write_config, GatewayProcess, Scene,
+    add_metrics, has_joined, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
 };
 use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
+use tests::procfs::children;
 use tests::synapse::Limits;
 use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
 
@@ -457,10 +457,8 @@ async fn a_burst_of_300_lines_from_three_people_reaches_her_once_each_in_few_tur
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_personas_naming_each_other_stop_within_their_bot_exchanges() {
     let scene = Scene::new("governed-bots", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let ann = &scene.ann;
     let lobby = public_room(ann, "gx-lobby").await;
-    scene.hs.register("mira", "mira-pw");
-    let mira_token = token_for(&url, "mira", "mira-pw", "GW-MIRA").await;
     // The responder answers every line addressed to her, quoting it: a reply to a line that
     // names both names both, so each answers the other.
     let mock = MockApi::start(MockConfig {
@@ -469,39 +467,15 @@ async fn two_personas_naming_each_other_stop_within_their_bot_exchanges() {
     })
     .await
     .unwrap();
-    let turns = "start = \"addressed\"\nbot_exchanges = 2";
-    let block = |id: &str, token: &str| {
-        let prompt = dir.join(format!("{id}.md"));
-        std::fs::write(&prompt, format!("You are {id}. ").repeat(2000)).unwrap();
-        let key = dir.join("api.key");
-        tests::matrix::write_private(&key, "mock-key");
-        let session = tests::live::session_section(
-            &prompt,
-            &mock,
-            &format!("api_key_file = \"{}\"", key.display()),
-            "",
-        );
-        persona_block(
-            &dir,
-            id,
-            &url,
-            token,
-            &["#gx-lobby:localhost"],
-            &[],
-            &with_turns(&session, turns),
-        )
-    };
-    let config = dir.join("gateway.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "state_dir = \"{}\"\n\n[cultnet]\nbind = \"127.0.0.1:0\"\n{}{}",
-            dir.join("state").display(),
-            block("vera", &scene.vera_token),
-            block("mira", &mira_token),
-        ),
+    let config = tests::live::live_cast(
+        &scene,
+        &["vera", "mira"],
+        "gx-lobby",
+        &mock,
+        "",
+        "start = \"addressed\"\nbot_exchanges = 2",
     )
-    .unwrap();
+    .await;
     let gw = GatewayProcess::start(&config);
     joined(ann, &lobby, "@vera:localhost", &gw).await;
     joined(ann, &lobby, "@mira:localhost", &gw).await;
@@ -581,5 +555,121 @@ async fn with_start_minds_only_a_cultnet_turn_request_starts_a_turn() {
     assert_eq!(turns.len(), 1);
     assert_eq!(shown(&turns, "vera, are you there?"), 1);
     c.close().await;
+    assert!(gw.stop().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_live_personas_with_two_live_processes_answer_every_batch() {
+    const NAMES: [&str; 6] = ["vera", "mira", "nora", "olga", "pia", "ruth"];
+    let scene = Scene::new("governed-live", Limits::Relaxed).await;
+    let ann = &scene.ann;
+    let lobby = public_room(ann, "gl-lobby").await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let config = tests::live::live_cast(
+        &scene,
+        &NAMES,
+        "gl-lobby",
+        &mock,
+        "[sessions]\nmax_live = 2\n",
+        "start = \"addressed\"",
+    )
+    .await;
+    let gw = GatewayProcess::start(&config);
+    for name in NAMES {
+        joined(ann, &lobby, &format!("@{name}:localhost"), &gw).await;
+    }
+    // Watch the gateway's children the whole time: never more than two live processes.
+    let pid = gw.pid();
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let watching = watching.clone();
+        std::thread::spawn(move || {
+            let (mut most, mut rss) = (0usize, Vec::new());
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let now = children(pid);
+                most = most.max(now.len());
+                rss.extend(now.iter().map(|(_, kib)| *kib).filter(|kib| *kib > 0));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (most, rss)
+        })
+    };
+    let mut per_round = Vec::new();
+    for round in 1..=2 {
+        let from = mock.ledger().len();
+        for name in NAMES {
+            lobby
+                .send(RoomMessageEventContent::text_plain(format!(
+                    "{name}, round {round}?"
+                )))
+                .await
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(180);
+        for name in NAMES {
+            while tests::live::said_by(ann, &lobby, &format!("@{name}:localhost"))
+                .await
+                .iter()
+                .filter(|b| b.starts_with("ann, you said"))
+                .count()
+                < round
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "{name} never answered round {round}; log:\n{}",
+                    gw.log()
+                );
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+        per_round.push(turns_since(&mock, from));
+    }
+    // The last two answered are still live: their next turns keep their processes.
+    until_quiet(&mock, Duration::from_secs(2)).await;
+    let live: Vec<u32> = children(pid).iter().map(|(p, _)| *p).collect();
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let (most, rss) = watcher.join().unwrap();
+    let evictions = gw
+        .log()
+        .matches("stopping her idle process to make room")
+        .count();
+    let cost = |turns: &[LedgerEntry]| {
+        turns.iter().map(|e| e.cost).sum::<f64>() / turns.len().max(1) as f64
+    };
+    let writes = |turns: &[LedgerEntry]| {
+        turns
+            .iter()
+            .map(|e| e.usage.cache_write_5m + e.usage.cache_write_1h)
+            .sum::<u64>()
+            / turns.len().max(1) as u64
+    };
+    let rss_mib = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
+    println!(
+        "6 live Personas, max_live 2: at most {most} live processes, {evictions} evictions, \
+         {:.0} MiB RSS per live process (mean of samples); round 1 (new sessions) ${:.5}/turn, \
+         round 2 (every one resumed after eviction, cache warm) ${:.5}/turn, {} cache-write \
+         tokens/turn; {} processes live at the end",
+        rss_mib,
+        cost(&per_round[0]),
+        cost(&per_round[1]),
+        writes(&per_round[1]),
+        live.len()
+    );
+    assert!(most <= 2, "{most} live processes at once");
+    assert!(evictions >= 4, "{evictions} evictions");
+    assert!(live.len() <= 2);
+    for (round, turns) in per_round.iter().enumerate() {
+        assert!(
+            turns.len() >= NAMES.len(),
+            "round {}: {} turns",
+            round + 1,
+            turns.len()
+        );
+    }
     assert!(gw.stop().success());
 }

@@ -16,6 +16,7 @@ use gateway::config::{Config, Persona, SessionMode};
 use gateway::ear::{self, Ear, EarStats, Signals};
 use gateway::inbox::Inbox;
 use gateway::mouth::Mouth;
+use gateway::processes::Processes;
 use gateway::service::{self, Port, Service};
 use gateway::turns::TurnLoop;
 use session::cost::Ttl;
@@ -44,12 +45,12 @@ struct Running {
 
 impl Running {
     /// Starts `p` (a failure is reported in her port; the others go on).
-    async fn launch(cfg: &Config, p: &Persona, inbox: &Inbox) -> Self {
+    async fn launch(cfg: &Config, p: &Persona, inbox: &Inbox, processes: &Arc<Processes>) -> Self {
         use tracing::Instrument as _;
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let span = tracing::info_span!("persona", id = %p.id);
-        let port = match start_persona(cfg, p, inbox, &stop_rx, &mut tasks)
+        let port = match start_persona(cfg, p, inbox, processes, &stop_rx, &mut tasks)
             .instrument(span.clone())
             .await
         {
@@ -179,9 +180,11 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("starting the metrics listener on {}", m.bind))?;
         tracing::info!(%addr, "metrics on /metrics, /healthz, /readyz");
     }
+    // Live claude processes across the gateway (`[sessions] max_live`).
+    let processes = Processes::new(cfg.sessions.max_live);
     let mut running: BTreeMap<String, Running> = BTreeMap::new();
     for p in &cfg.personas {
-        let r = Running::launch(&cfg, p, &inbox).await;
+        let r = Running::launch(&cfg, p, &inbox, &processes).await;
         shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -212,7 +215,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
             _ = hup.recv() => {
-                cfg = reload(path, cfg, &inbox, &mut running, &shared, &updates).await;
+                cfg = reload(path, cfg, &inbox, &processes, &mut running, &shared, &updates).await;
                 retention.send_if_modified(|r| std::mem::replace(r, cfg.retention) != cfg.retention);
             }
         }
@@ -292,6 +295,7 @@ async fn reload(
     path: &Path,
     old: Config,
     inbox: &Inbox,
+    processes: &Arc<Processes>,
     running: &mut BTreeMap<String, Running>,
     shared: &gateway::metrics::Ports,
     updates: &tokio::sync::mpsc::Sender<service::Update>,
@@ -311,12 +315,14 @@ async fn reload(
         || new.cultnet.quic != old.cultnet.quic
         || new.metrics != old.metrics
         || new.cultnet.limits() != old.cultnet.limits()
+        || new.sessions != old.sessions
     {
-        tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic, the clients' limits and metrics take effect at the next restart");
+        tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic, the clients' limits, sessions.max_live and metrics take effect at the next restart");
         new.state_dir = old.state_dir.clone();
         new.cultnet.bind = old.cultnet.bind;
         new.cultnet.quic = old.cultnet.quic.clone();
         new.metrics = old.metrics.clone();
+        new.sessions = old.sessions;
         new.cultnet.requests_per_sec = old.cultnet.requests_per_sec;
         new.cultnet.request_burst = old.cultnet.request_burst;
         new.cultnet.max_in_flight = old.cultnet.max_in_flight;
@@ -353,7 +359,7 @@ async fn reload(
             continue;
         }
         tracing::info!(persona = %p.id, "SIGHUP: starting her (added or changed)");
-        let r = Running::launch(&new, p, inbox).await;
+        let r = Running::launch(&new, p, inbox, processes).await;
         shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -376,6 +382,7 @@ async fn start_persona(
     cfg: &Config,
     p: &Persona,
     inbox: &Inbox,
+    processes: &Arc<Processes>,
     stop: &watch::Receiver<bool>,
     tasks: &mut JoinSet<()>,
 ) -> anyhow::Result<Port> {
@@ -448,7 +455,8 @@ async fn start_persona(
                 .iter()
                 .filter(|o| o.id != p.id)
                 .map(|o| o.user_id.clone()),
-        );
+        )
+        .with_processes(processes.clone());
         port.turn_requests = Some(turns.turn_requests.clone());
         port.controls = Some(turns.controls.clone());
         tasks.spawn(turns.run(stop.clone()));
