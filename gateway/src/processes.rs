@@ -4,7 +4,7 @@
 //! most `max_live` of them alive. A Persona that needs her process takes a slot
 //! ([`Processes::acquire`]); when none is free, the least recently used idle Persona is asked
 //! to stop hers (her session stays on disk and is resumed at her next turn), never one that is
-//! working. The choice is a pure function over the slots ([`Slots::victim`]); the waiting and
+//! working. The choice is a pure function over the slots (`Slots::victim`); the waiting and
 //! the asking are this module's thin edge.
 
 use std::collections::HashMap;

@@ -97,7 +97,7 @@ impl Default for PolicyConfig {
 
 impl PolicyConfig {
     /// Defaults for a cache TTL: keep-warm on, predicted from her gaps, with either TTL. In
-    /// the session benchmark (README) with 5 minutes it saved up to 62% against none, broke even
+    /// the session benchmark (docs/economics.md) with 5 minutes it saved up to 62% against none, broke even
     /// where it never fired, and cost 3% more on quiet operator DMs; unpredicted, it cost up to
     /// 1.8x what none did.
     ///

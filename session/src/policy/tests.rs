@@ -362,7 +362,7 @@ proptest! {
     }
 }
 
-/// A fixed trace whose ratio the README reports: 300 turns of 600-1400 tokens each.
+/// A fixed trace whose ratio docs/benchmarks.md reports: 300 turns of 600-1400 tokens each.
 #[test]
 fn ski_rental_on_the_reference_trace() {
     let growth: Vec<u64> = (0..300u64).map(|i| 600 + (i * 7919 % 800)).collect();
