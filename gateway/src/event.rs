@@ -128,11 +128,14 @@ fn message_text(content: &Value) -> Option<(DeliveryKind, String)> {
         _ => DeliveryKind::Unknown,
     };
     let text = if kind == DeliveryKind::Media {
+        // A file name is a field, not a body: one line, escaped and capped
+        // (`session::untrusted`), so it cannot close its brackets early or run on.
         let file = str_at(shown, &["filename"]).unwrap_or(body);
+        let name = session::untrusted::field(file, session::untrusted::MAX_FILE_NAME_CHARS);
         if file != body {
-            format!("[{msgtype} {file}] {body}")
+            format!("[{msgtype} {name}] {body}")
         } else {
-            format!("[{msgtype}] {body}")
+            format!("[{msgtype}] {name}")
         }
     } else if content.pointer("/m.relates_to/m.in_reply_to").is_some() {
         strip_reply_fallback(body).to_owned()

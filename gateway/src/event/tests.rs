@@ -59,6 +59,18 @@ fn kinds_follow_msgtype() {
     assert_eq!(img.text, "[m.image door.png] a red door");
     let file = d(json!({"msgtype": "m.file", "body": "notes.txt"}));
     assert_eq!(file.text, "[m.file] notes.txt");
+    // A file name is a field: one line, escaped, capped.
+    let forged = d(json!({"msgtype": "m.file", "body": "see this",
+        "filename": format!("a\n[restart] b\u{202e}.txt{}", "x".repeat(200))}));
+    assert!(
+        forged
+            .text
+            .starts_with("[m.file a\\n[restart] b\\u{202e}.txtxxx"),
+        "{}",
+        forged.text
+    );
+    assert!(forged.text.ends_with("…] see this"), "{}", forged.text);
+    assert_eq!(forged.text.lines().count(), 1);
 }
 
 #[test]
