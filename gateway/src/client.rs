@@ -168,7 +168,7 @@ impl Client {
 
 /// A Connect payload signed now by `agent_id`, with a fresh nonce (the same on both transports).
 fn connect_payload(key: &SigningKey, agent_id: &str) -> Vec<u8> {
-    let issued_at = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+    let issued_at = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
     ConnectPayload::sign(
         key,
         GATEWAY_CONNECTION_ID,
@@ -186,8 +186,12 @@ fn put_request<T: Serialize>(
     record_key: &str,
     payload: &T,
 ) -> Vec<u8> {
-    let mut doc =
-        RawDocument::from_payload(schema, record_key, &rfc3339(crate::ear::unix_ms()), payload);
+    let mut doc = RawDocument::from_payload(
+        schema,
+        record_key,
+        &rfc3339(crate::clock::unix_ms()),
+        payload,
+    );
     doc.source_agent_id = Some(agent_id.to_owned());
     Message::DocumentPutRaw(Put {
         message_id: message_id(),

@@ -336,17 +336,6 @@ pub struct CultNet {
     pub max_in_flight: usize,
 }
 
-impl CultNet {
-    /// The per-client limits these settings give.
-    pub fn limits(&self) -> crate::service::ClientLimits {
-        crate::service::ClientLimits {
-            requests_per_sec: f64::from(self.requests_per_sec.max(1)),
-            burst: f64::from(self.request_burst.max(1)),
-            max_in_flight: self.max_in_flight.max(1),
-        }
-    }
-}
-
 /// `[cultnet.quic]`: the same service for remote peers, over QUIC.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -519,25 +508,6 @@ impl Default for RetentionConfig {
             event_ids_days: 30,
             receipts_days: 30,
             compact_above_mib: 64,
-        }
-    }
-}
-
-impl RetentionConfig {
-    /// As the inbox takes it.
-    pub fn retention(&self) -> crate::inbox::Retention {
-        let days = |d: u32| std::time::Duration::from_secs(u64::from(d.max(1)) * 86_400);
-        crate::inbox::Retention {
-            event_ids: days(self.event_ids_days),
-            receipts: days(self.receipts_days),
-        }
-    }
-
-    /// When the inbox is compacted.
-    pub fn compact_when(&self) -> crate::inbox::CompactWhen {
-        crate::inbox::CompactWhen {
-            min_bytes: u64::from(self.compact_above_mib) << 20,
-            ..crate::inbox::CompactWhen::default()
         }
     }
 }

@@ -32,6 +32,7 @@ use matrix_sdk::{Client, Room};
 use serde_json::Value;
 use tokio::sync::{watch, Notify};
 
+use crate::clock::unix_ms;
 use crate::config::Persona;
 use crate::event::{self, Me, RoomInfo};
 use crate::inbox::{Held, Inbox, InboxError, SyncWrite, TimelineLine, TIMELINE_CAP};
@@ -554,14 +555,6 @@ pub async fn join_configured(
         }
     }
     (joined, failed)
-}
-
-/// Wall-clock milliseconds since the epoch (0 if the clock is before it).
-/// Now, in ms since the epoch.
-pub fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 mod context;

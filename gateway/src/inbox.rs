@@ -237,7 +237,7 @@ fn decode_ids(k: &[u8], v: &[u8]) -> Result<(Option<u64>, Vec<String>), InboxErr
 }
 
 fn now_ms() -> u64 {
-    u64::try_from(crate::ear::unix_ms()).unwrap_or(0)
+    u64::try_from(crate::clock::unix_ms()).unwrap_or(0)
 }
 
 /// Lines of recent timeline kept per room (enough for 20 lines of context plus a thread's).

@@ -3,6 +3,7 @@
 //! - [`endpoint`]: the one owner of the loopback CultNet UDP socket, driving a [`wire::hub::Hub`]
 //!   with real datagrams (batched with GSO/GRO where the kernel offers them) and tokio's clock.
 //!
+//! - [`clock`]: the one wall clock (ms since the epoch).
 //! - [`config`]: the TOML configuration; errors name the Persona and the key; tokens are
 //!   [`config::Secret`]s read from private files or systemd credentials.
 //! - [`inbox`]: the durable sled inbox (one batch per sync response, seqs, acks, receipts).
@@ -11,16 +12,20 @@
 //! - [`turns`]: her live session's turn loop; [`processes`]: the gateway-wide cap on live
 //!   claude processes (the least recently used idle one makes room).
 //! - [`service`]: what CultNet clients ask of the gateway, and its answers; [`client`]: the
-//!   other side, for tools and tests; [`quic`]: the same service for remote peers over QUIC.
+//!   other side, for tools and tests; [`quic`]: the same service for remote peers over QUIC;
+//!   [`answers`]: a remote connection's bounded queue of answers, between the two.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod answers;
 pub mod check;
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod ear;
 pub mod endpoint;
 pub mod event;
+pub mod exporter;
 pub mod inbox;
 pub mod markdown;
 pub mod matrix;

@@ -56,12 +56,12 @@ use wire::hub::HubEvent;
 use wire::msg::{ErrorMsg, Message, Put, RawDocument};
 use wire::session::Frame;
 
+use crate::answers::{AnswerTx, Unqueued};
 use crate::config::{Client, Verb};
 use crate::ear::{EarStats, Signals};
 use crate::endpoint::{Endpoint, EndpointEvent, EndpointHandle};
 use crate::inbox::Inbox;
 use crate::mouth::Mouth;
-use crate::quic::{AnswerTx, Unqueued};
 
 pub mod limits;
 pub use limits::ClientLimits;
@@ -302,7 +302,7 @@ impl Service {
         let clients = pinned(clients);
         Self {
             runtime_id: runtime_id.to_owned(),
-            started_at: rfc3339(crate::ear::unix_ms()),
+            started_at: rfc3339(crate::clock::unix_ms()),
             connection_id,
             max_skew_ms: max_skew_secs.saturating_mul(1000),
             inbox,
@@ -874,7 +874,7 @@ impl Service {
         if let Err(why) = r.check() {
             return vec![self.refusal(&Request::Note(r), key, why)];
         }
-        let receipt = match self.inbox.put_note(&r, crate::ear::unix_ms()) {
+        let receipt = match self.inbox.put_note(&r, crate::clock::unix_ms()) {
             Ok(put) => {
                 tracing::info!(persona = %r.persona, note = %r.note_id, kind = %r.kind, wake = r.wake, duplicate = put.duplicate, "note stored");
                 if r.wake && !put.duplicate {
@@ -1042,7 +1042,8 @@ pub fn receipt_bytes<T: Serialize>(
     key: &str,
     payload: &T,
 ) -> Bytes {
-    let mut doc = RawDocument::from_payload(schema, key, &rfc3339(crate::ear::unix_ms()), payload);
+    let mut doc =
+        RawDocument::from_payload(schema, key, &rfc3339(crate::clock::unix_ms()), payload);
     doc.source_runtime_id = Some(runtime_id.to_owned());
     doc.source_role = Some("matrix_gateway".to_owned());
     Bytes::from(
@@ -1114,7 +1115,7 @@ pub fn rfc3339(unix_ms: i64) -> String {
     out
 }
 
-/// What the QUIC side ([`crate::quic`]) tells the service loop about its connections.
+/// What the QUIC side (`gateway::quic`, above this module) tells the service loop about its connections.
 #[derive(Debug)]
 pub enum Remote {
     /// A connection's first frame, its Connect payload; the verdict goes back on `verdict`.
@@ -1504,7 +1505,7 @@ fn endpoint_event(
     };
     match event {
         HubEvent::ConnectRequest(req) => {
-            let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+            let now = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
             let peer = req.peer;
             match service.authenticate(peer, &req.payload, now) {
                 Ok(_) => endpoint.accept(req),
@@ -1563,7 +1564,7 @@ fn remote_event(
             out,
             verdict,
         } => {
-            let now = u64::try_from(crate::ear::unix_ms()).unwrap_or(0);
+            let now = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
             match service.authenticate(peer, &payload, now) {
                 Ok(_) => {
                     quic.insert(peer, QuicPeer { id, out });

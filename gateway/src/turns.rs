@@ -249,7 +249,7 @@ impl OverBudget {
             "over_budget: ${:.4} spent in the last 24 hours of a ${:.4} cap; her mail waits {} more (or until a reload raises budget.usd_per_day)",
             self.spent_usd,
             self.cap_usd,
-            human_duration(self.resumes_at_ms - crate::ear::unix_ms()),
+            human_duration(self.resumes_at_ms - crate::clock::unix_ms()),
         )
     }
 }
@@ -440,7 +440,7 @@ impl TurnLoop {
             .set(0);
         // Her spend in the last 24 hours, from her history (every billed record is there).
         let mut spend = session::budget::Spend::default();
-        let since = crate::ear::unix_ms() - session::budget::WINDOW_MS;
+        let since = crate::clock::unix_ms() - session::budget::WINDOW_MS;
         for r in read_history(&status_path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
             if r.at_ms > since {
                 spend.add(r.at_ms, r.cost_usd);
@@ -470,7 +470,7 @@ impl TurnLoop {
             telemetry.restore(
                 &k.telemetry,
                 Instant::now(),
-                crate::ear::unix_ms(),
+                crate::clock::unix_ms(),
                 base.cache_ttl.duration(),
             );
         }
@@ -608,7 +608,7 @@ impl TurnLoop {
                 };
                 // Over her budget: her waiting mail is taken up when she resumes.
                 let resume = self.status.over_budget.map(|o| {
-                    let wait = (o.resumes_at_ms - crate::ear::unix_ms()).max(0) as u64;
+                    let wait = (o.resumes_at_ms - crate::clock::unix_ms()).max(0) as u64;
                     tokio::time::Instant::now() + Duration::from_millis(wait)
                 });
                 let resumed = async {
@@ -619,7 +619,7 @@ impl TurnLoop {
                 };
                 // Waiting mail that may start a turn later without new mail.
                 let recheck = self.recheck_at_ms.map(|at| {
-                    let wait = (at - crate::ear::unix_ms()).max(0) as u64;
+                    let wait = (at - crate::clock::unix_ms()).max(0) as u64;
                     tokio::time::Instant::now() + Duration::from_millis(wait)
                 });
                 let rechecked = async {
@@ -661,7 +661,7 @@ impl TurnLoop {
     /// may start now. Keeps her status, her metrics and the log up to date as it changes.
     fn over_budget(&mut self) -> bool {
         use session::budget::Allowance;
-        let now = crate::ear::unix_ms();
+        let now = crate::clock::unix_ms();
         let over = match self.spend.allowance(now, self.persona.budget.usd_per_day) {
             Allowance::Open => None,
             Allowance::Over {
@@ -843,7 +843,7 @@ impl TurnLoop {
             &lines,
             hit.as_ref().map(|(l, _)| l),
             hit.is_some_and(|(_, ambient)| ambient),
-            crate::ear::unix_ms(),
+            crate::clock::unix_ms(),
         );
         self.admission = admission;
         self.keep_learned(ADMISSION, &self.admission);
@@ -906,7 +906,7 @@ impl TurnLoop {
             // nothing; otherwise her rules decide.
             let mut trigger: Option<(u64, bool)> = None;
             if !retry && !forced {
-                let now = crate::ear::unix_ms();
+                let now = crate::clock::unix_ms();
                 match self
                     .admission
                     .decide(&self.rules, &self.lines(&page.deliveries), now)
@@ -1180,7 +1180,7 @@ impl TurnLoop {
     /// keeps what was learned.
     fn book_gap(&mut self, now: Instant, said_ms: i64) {
         let last = self.telemetry.last_turn_at;
-        let said = said_at(now, crate::ear::unix_ms(), said_ms, last);
+        let said = said_at(now, crate::clock::unix_ms(), said_ms, last);
         if self.telemetry.batch_arrived(said) {
             self.keep_learned(GAPS, &self.telemetry.gaps);
         }
@@ -1214,7 +1214,7 @@ impl TurnLoop {
         };
         let policy = KeptPolicy {
             session,
-            telemetry: self.telemetry.keep(Instant::now(), crate::ear::unix_ms()),
+            telemetry: self.telemetry.keep(Instant::now(), crate::clock::unix_ms()),
         };
         self.store_json(&[
             (POLICY, serde_json::to_string(&policy)),
@@ -1429,7 +1429,7 @@ impl TurnLoop {
                     &TurnCommit {
                         turn_id: &turn_id,
                         extensions: &reply.extensions,
-                        at_ms: crate::ear::unix_ms(),
+                        at_ms: crate::clock::unix_ms(),
                         ..TurnCommit::default()
                     },
                 )?;
@@ -1459,7 +1459,7 @@ impl TurnLoop {
         let ago = match last {
             Some(at) => format!(
                 "your last turn was {} ago",
-                human_duration(crate::ear::unix_ms().saturating_sub(at))
+                human_duration(crate::clock::unix_ms().saturating_sub(at))
             ),
             None => "the time of your last turn is not known".to_owned(),
         };
@@ -1888,7 +1888,7 @@ impl TurnLoop {
                 notes_shown: &shown,
                 turn_id,
                 extensions: &extensions,
-                at_ms: crate::ear::unix_ms(),
+                at_ms: crate::clock::unix_ms(),
                 values: &values,
             },
         )?;
@@ -1988,7 +1988,7 @@ impl TurnLoop {
             hit_ratio: last.hit_ratio(),
             prefix_tokens: last.prompt_tokens(),
             outcome,
-            at_ms: crate::ear::unix_ms(),
+            at_ms: crate::clock::unix_ms(),
             watermark_tokens: self.policy.watermark_tokens(),
             window_tokens: self.policy.context_window,
             ..TurnRecord::default()

@@ -121,7 +121,7 @@ pub fn turns_on_request(session: &str) -> String {
 /// A live `[persona.session]` section with her doctrine at `prompt`, the mock's URL, a
 /// `credential` line (`api_key_file = ...` or `oauth_token_file = ...`) and `extra` lines:
 /// turns start 200 ms after the last mail (1 s at most) and may take 60 s. Every line starts
-/// a turn (`[persona.turns] start = "all"`, before it): replace that line for other rules.
+/// a turn ([`EVERY_LINE_STARTS_A_TURN`], in a `[persona.turns]` before it).
 pub fn session_section(
     prompt: &std::path::Path,
     mock: &MockApi,
@@ -131,7 +131,7 @@ pub fn session_section(
     format!(
         r#"
 [persona.turns]
-start = "all"
+{every}
 
 [persona.session]
 mode = "live"
@@ -147,7 +147,20 @@ turn_timeout_secs = 60
         claude = crate::claude_cli::executable().display(),
         prompt = prompt.display(),
         api = mock.url(),
+        every = EVERY_LINE_STARTS_A_TURN,
     )
+}
+
+/// The `[persona.turns]` lines [`session_section`] writes: every line starts a turn, with no
+/// per-sender or bot-exchange limit to speak of (the rules the tests written before them
+/// assume). A test of the rules replaces them whole ([`with_turns`]).
+pub const EVERY_LINE_STARTS_A_TURN: &str =
+    "start = \"all\"\nper_sender_per_hour = 1000000\nbot_exchanges = 1000000";
+
+/// `session` (from [`session_section`]) with `[persona.turns]` lines `turns` instead.
+pub fn with_turns(session: &str, turns: &str) -> String {
+    assert!(session.contains(EVERY_LINE_STARTS_A_TURN), "{session}");
+    session.replacen(EVERY_LINE_STARTS_A_TURN, turns, 1)
 }
 
 /// The operator opens an encrypted DM with vera and waits until she has joined.
@@ -217,8 +230,8 @@ pub async fn live_cast(
             mock,
             &format!("api_key_file = \"{}\"", key.display()),
             "",
-        )
-        .replacen("start = \"all\"", turns, 1);
+        );
+        let session = with_turns(&session, turns);
         blocks.push_str(&crate::matrix::persona_block(
             dir,
             name,

@@ -169,7 +169,7 @@ async fn fifty_clients_are_answered_while_another_process_sprays_the_endpoint() 
         &key,
         GATEWAY_CONNECTION_ID,
         "organ",
-        u64::try_from(gateway::ear::unix_ms()).unwrap(),
+        u64::try_from(gateway::clock::unix_ms()).unwrap(),
         "used-once",
     )
     .encode();
@@ -474,7 +474,7 @@ async fn older_and_newer_rules_clients_each_do_pending_ack_send_against_the_bina
         &key,
         GATEWAY_CONNECTION_ID,
         "organ",
-        u64::try_from(gateway::ear::unix_ms()).unwrap(),
+        u64::try_from(gateway::clock::unix_ms()).unwrap(),
         "legacy-1",
     )
     .encode();

@@ -17,7 +17,7 @@ use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use matrix_sdk::ruma::OwnedUserId;
 use serde_json::json;
-use tests::live::{from_vera, live_section, wait_for_reply};
+use tests::live::{from_vera, live_section, wait_for_reply, with_turns};
 use tests::matrix::{
     add_metrics, has_joined, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
 };
@@ -78,13 +78,6 @@ async fn until_quiet(mock: &MockApi, quiet: Duration) {
             since = Instant::now();
         }
     }
-}
-
-/// `session` (from [`live_section`]) with `[persona.turns]` set to `turns` instead of
-/// `start = "all"`.
-fn with_turns(session: &str, turns: &str) -> String {
-    assert!(session.contains("start = \"all\""), "{session}");
-    session.replacen("start = \"all\"", turns, 1)
 }
 
 /// Her status file.

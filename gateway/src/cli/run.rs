@@ -129,7 +129,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         &cfg.cultnet.clients,
         starting,
     )
-    .with_limits(cfg.cultnet.limits());
+    .with_limits(service::ClientLimits::from(&cfg.cultnet));
     let remote = match &cfg.cultnet.quic {
         Some(q) => {
             let identity = gateway::quic::identity(
@@ -165,10 +165,10 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         let _ = started.done.await;
     });
     // The metrics listener comes up before the Personas: /readyz says who has not synced yet.
-    let shared: gateway::metrics::Ports = Arc::default();
+    let shared: gateway::exporter::Ports = Arc::default();
     if let Some(m) = &cfg.metrics {
         let ids = cfg.personas.iter().map(|p| p.id.clone()).collect();
-        let addr = gateway::metrics::serve(
+        let addr = gateway::exporter::serve(
             m.bind,
             inbox.clone(),
             ids,
@@ -264,8 +264,8 @@ async fn prune_hourly(
 
 /// One prune and compaction check, each logged.
 fn upkeep(inbox: &Inbox, r: gateway::config::RetentionConfig) {
-    let now = u64::try_from(ear::unix_ms()).unwrap_or(0);
-    match inbox.prune(now, r.retention()) {
+    let now = u64::try_from(gateway::clock::unix_ms()).unwrap_or(0);
+    match inbox.prune(now, gateway::inbox::Retention::from(&r)) {
         Ok(p) => tracing::info!(
             id_records = p.id_records,
             receipts = p.receipts,
@@ -274,7 +274,7 @@ fn upkeep(inbox: &Inbox, r: gateway::config::RetentionConfig) {
         ),
         Err(e) => tracing::error!("pruning the inbox: {e}"),
     }
-    match inbox.compact_if_wasteful(r.compact_when()) {
+    match inbox.compact_if_wasteful(gateway::inbox::CompactWhen::from(&r)) {
         Ok(Some(c)) => tracing::info!(
             before = c.before,
             after = c.after,
@@ -297,7 +297,7 @@ async fn reload(
     inbox: &Inbox,
     processes: &Arc<Processes>,
     running: &mut BTreeMap<String, Running>,
-    shared: &gateway::metrics::Ports,
+    shared: &gateway::exporter::Ports,
     updates: &tokio::sync::mpsc::Sender<service::Update>,
 ) -> Config {
     let mut new = match Config::load(path) {
@@ -314,7 +314,7 @@ async fn reload(
         || new.cultnet.bind != old.cultnet.bind
         || new.cultnet.quic != old.cultnet.quic
         || new.metrics != old.metrics
-        || new.cultnet.limits() != old.cultnet.limits()
+        || service::ClientLimits::from(&new.cultnet) != service::ClientLimits::from(&old.cultnet)
         || new.sessions != old.sessions
     {
         tracing::warn!("SIGHUP: state_dir, cultnet.bind, cultnet.quic, the clients' limits, sessions.max_live and metrics take effect at the next restart");

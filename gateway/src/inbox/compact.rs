@@ -40,6 +40,16 @@ pub struct CompactWhen {
     pub max_live_bytes: u64,
 }
 
+impl From<&crate::config::RetentionConfig> for CompactWhen {
+    /// When `[retention]` compacts the inbox.
+    fn from(r: &crate::config::RetentionConfig) -> Self {
+        Self {
+            min_bytes: u64::from(r.compact_above_mib) << 20,
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for CompactWhen {
     fn default() -> Self {
         Self {

@@ -18,6 +18,17 @@ pub struct Retention {
     pub receipts: Duration,
 }
 
+impl From<&crate::config::RetentionConfig> for Retention {
+    /// What `[retention]` keeps.
+    fn from(r: &crate::config::RetentionConfig) -> Self {
+        let days = |d: u32| std::time::Duration::from_secs(u64::from(d.max(1)) * 86_400);
+        Self {
+            event_ids: days(r.event_ids_days),
+            receipts: days(r.receipts_days),
+        }
+    }
+}
+
 impl Default for Retention {
     fn default() -> Self {
         let days = |d: u64| Duration::from_secs(d * 86_400);

@@ -189,7 +189,7 @@ fn receipts_survive_restarts() {
 fn event_ids_and_receipts_are_pruned_by_age_and_old_records_get_a_time() {
     let path = dir("prune");
     let inbox = Inbox::open(&path).unwrap();
-    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
     let day = 86_400_000u64;
     let r = |id: &str| SendReceipt {
         request_id: id.into(),

@@ -17,6 +17,17 @@ pub struct ClientLimits {
     pub max_in_flight: usize,
 }
 
+impl From<&crate::config::CultNet> for ClientLimits {
+    /// The per-client limits `[cultnet]` sets.
+    fn from(c: &crate::config::CultNet) -> Self {
+        Self {
+            requests_per_sec: f64::from(c.requests_per_sec.max(1)),
+            burst: f64::from(c.request_burst.max(1)),
+            max_in_flight: c.max_in_flight.max(1),
+        }
+    }
+}
+
 impl Default for ClientLimits {
     fn default() -> Self {
         Self {

@@ -613,9 +613,9 @@ fn a_quic_client_cut_off_anywhere_is_counted_once() {
     let mut f = fixture("quic-cut");
     let mut quic = HashMap::new();
     let mut out = Vec::new();
-    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
     let open = |svc: &mut Service, quic: &mut HashMap<_, _>, n: u16| {
-        let (tx, _rx) = crate::quic::answer_queue(4, 1 << 20);
+        let (tx, _rx) = crate::answers::answer_queue(4, 1 << 20);
         let (verdict, told) = tokio::sync::oneshot::channel();
         let nonce = format!("quic-{n}");
         let payload = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, &nonce);
@@ -749,7 +749,7 @@ fn connect_datagram(sequence: u32, payload: &[u8]) -> Vec<u8> {
 /// to report it.
 async fn connect_request(ep: &mut Endpoint, nonce: &str) -> (std::net::UdpSocket, EndpointEvent) {
     let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
     let payload = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, nonce);
     raw.send_to(&connect_datagram(7, &payload.encode()), ep.local_addr())
         .unwrap();
@@ -830,7 +830,7 @@ async fn a_superseded_connect_whose_successor_is_refused_leaves_no_peer() {
     let (stop_tx, stop) = watch::channel(false);
     let serving = tokio::spawn(serve(f.svc, endpoint, stop));
 
-    let now = u64::try_from(crate::ear::unix_ms()).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
     let good = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, "first");
     let forged = ConnectPayload::sign(&key(3), GATEWAY_CONNECTION_ID, "organ", now, "second");
     let raw = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
