@@ -40,12 +40,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use session::admission::{Admission, Line, Rules, Verdict};
+use session::admission::{Admission, Line, Rules};
 use session::cost::{Prices, Usage};
 use session::driver::{Cli, CliConfig, DriverError, Turn};
 use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
 use session::proto::CompactMetadata;
 use session::render::{self, Note, ReplySchema, Seen};
+use session::turn::{Drain, Look, Shrink, Step};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use wire::docs::{ControlAction, ControlReceipt, ControlRequest, Delivery, SendRequest, Status};
@@ -325,20 +326,6 @@ fn said_at(now: Instant, now_ms: i64, said_ms: i64, floor: Option<Instant>) -> I
         (None, f) => f.unwrap_or(now),
     }
 }
-
-/// How much of a batch that no session could hold the next turn takes: half of it, and a
-/// lone message cut to half its text, until it fits. Cleared once a turn goes through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shrink {
-    /// The first this many deliveries.
-    Deliveries(usize),
-    /// Delivery `seq` alone, its text cut to `bytes`.
-    Cut { seq: u64, bytes: usize },
-}
-
-/// A message is not cut below this: a fresh session that cannot hold even this much has no
-/// room for mail at all (her doctrine and state fill the window).
-const MIN_CUT_BYTES: usize = 1024;
 
 /// `d`'s text cut to `bytes` (at a character boundary), saying so.
 fn cut(d: &mut Delivery, bytes: usize) {
@@ -876,9 +863,7 @@ impl TurnLoop {
         if let Some(p) = &self.processes {
             p.busy(&self.persona.id);
         }
-        let mut forced = forced;
-        let mut first = true;
-        let mut coalesced = false;
+        let mut drain = Drain::new(forced);
         self.recheck_at_ms = None;
         loop {
             if *stop.borrow() {
@@ -893,103 +878,74 @@ impl TurnLoop {
                 let (a, b) = v.split_once('-')?;
                 Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?))
             });
-            if page.deliveries.is_empty() {
-                let wake = self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
-                if !wake || self.over_budget() {
+            let wake_note =
+                page.deliveries.is_empty() && self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
+            let over_budget = self.over_budget();
+            let lines = self.lines(&page.deliveries);
+            let look = Look {
+                pending: &page.deliveries,
+                lines: &lines,
+                inflight,
+                wake_note,
+                over_budget,
+                now_ms: crate::clock::unix_ms(),
+            };
+            let step = drain.next(
+                &look,
+                &self.admission,
+                &self.rules,
+                self.shrink,
+                self.persona.session.max_batch,
+            );
+            drop(lines);
+            match step {
+                Step::Idle { recheck_at_ms } => {
+                    if !page.deliveries.is_empty() {
+                        tracing::debug!(persona = %id, pending = page.deliveries.len(), ?recheck_at_ms, "mail waits: nothing in it starts a turn");
+                    }
+                    self.recheck_at_ms = recheck_at_ms;
                     return Ok(());
                 }
-                self.turn(&[]).await?;
-                continue;
-            }
-            let retry = inflight.is_some_and(|(first, _)| page.deliveries[0].seq == first);
-            // What starts this turn: a retry was admitted before, her Minds' request needs
-            // nothing; otherwise her rules decide.
-            let mut trigger: Option<(u64, bool)> = None;
-            if !retry && !forced {
-                let now = crate::clock::unix_ms();
-                match self
-                    .admission
-                    .decide(&self.rules, &self.lines(&page.deliveries), now)
-                {
-                    Verdict::Start {
-                        trigger: i,
-                        ambient,
-                    } => {
-                        trigger = page.deliveries.get(i).map(|d| (d.seq, ambient));
-                    }
-                    Verdict::Wait { recheck_at_ms } => {
-                        tracing::debug!(persona = %id, pending = page.deliveries.len(), ?recheck_at_ms, "mail waits: nothing in it starts a turn");
-                        self.recheck_at_ms = recheck_at_ms;
-                        return Ok(());
-                    }
-                }
-                if !first && !coalesced {
-                    // Coalesce what came while the last turn ran, and comes just after; then
-                    // look again at the grown mail.
+                Step::OverBudget => return Ok(()),
+                Step::Coalesce => {
+                    // What came while the last turn ran, and comes just after, joins the next.
                     let mut stop = stop.clone();
                     if !self.debounce(&mut stop).await {
                         return Ok(());
                     }
-                    coalesced = true;
-                    continue;
+                    drain.coalesced();
                 }
-            }
-            if self.over_budget() {
-                return Ok(());
-            }
-            first = false;
-            forced = false;
-            coalesced = false;
-            let mut batch: Vec<Delivery> = match inflight {
-                Some((_, last)) if retry => page
-                    .deliveries
-                    .iter()
-                    .take_while(|d| d.seq <= last)
-                    .cloned()
-                    .collect(),
-                _ => render::next_batch(&page.deliveries, self.persona.session.max_batch).to_vec(),
-            };
-            if !retry {
-                self.book_start(&batch, trigger);
-            }
-            match self.shrink {
-                Some(Shrink::Deliveries(n)) => batch.truncate(n),
-                Some(Shrink::Cut { seq, bytes }) => {
-                    batch.truncate(1);
-                    if let Some(d) = batch.first_mut().filter(|d| d.seq == seq) {
+                Step::Notes => self.turn(&[]).await?,
+                Step::Turn {
+                    take,
+                    retry,
+                    trigger,
+                    cut: to,
+                } => {
+                    let mut batch: Vec<Delivery> = page.deliveries[..take].to_vec();
+                    if !retry {
+                        self.book_start(&batch, trigger);
+                    }
+                    if let (Some(bytes), Some(d)) = (to, batch.first_mut()) {
                         cut(d, bytes);
                     }
-                }
-                None => {}
-            }
-            match self.turn(&batch).await {
-                // Nothing of it was shown to her: take less, in a new session (the refused
-                // text may be in the old one's transcript).
-                Err(e @ TurnError::TooLong { .. }) => {
-                    let shrink = match batch.as_slice() {
-                        [] => None,
-                        [one] => {
-                            let bytes = match self.shrink {
-                                Some(Shrink::Cut { seq, bytes }) if seq == one.seq => bytes / 2,
-                                _ => one.text.len() / 2,
-                            };
-                            (bytes >= MIN_CUT_BYTES).then_some(Shrink::Cut {
-                                seq: one.seq,
-                                bytes,
-                            })
+                    match self.turn(&batch).await {
+                        // Nothing of it was shown to her: take less, in a new session (the
+                        // refused text may be in the old one's transcript).
+                        Err(e @ TurnError::TooLong { .. }) => {
+                            let shrink = session::turn::after_too_long(&batch, self.shrink);
+                            tracing::warn!(persona = %id, error = %e, ?shrink, "batch too long for a fresh session; taking less");
+                            self.fresh_start("the batch does not fit her context window")?;
+                            if shrink.is_none() {
+                                return Err(e);
+                            }
+                            self.shrink = shrink;
                         }
-                        many => Some(Shrink::Deliveries(many.len() / 2)),
-                    };
-                    tracing::warn!(persona = %id, error = %e, ?shrink, "batch too long for a fresh session; taking less");
-                    self.fresh_start("the batch does not fit her context window")?;
-                    if shrink.is_none() {
-                        return Err(e);
+                        r => {
+                            r?;
+                            self.shrink = None;
+                        }
                     }
-                    self.shrink = shrink;
-                }
-                r => {
-                    r?;
-                    self.shrink = None;
                 }
             }
         }

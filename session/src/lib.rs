@@ -11,6 +11,8 @@
 //!   its fixed header, context sent once, the reply schema and its validation, say request ids.
 //! - [`untrusted`]: the one rule for writing what comes from Matrix into her prompt as data:
 //!   one-line, escaped, capped names and ids, event ids checked, every line break indented.
+//! - [`turn`]: what her turn loop does next with her pending mail (a pure state machine: what it
+//!   sees in, the step out), and what a batch refused as too long leaves for the next turn.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
 //! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
@@ -28,4 +30,5 @@ pub mod driver;
 pub mod policy;
 pub mod proto;
 pub mod render;
+pub mod turn;
 pub mod untrusted;

@@ -1,0 +1,412 @@
+//! What her turn loop does next with her pending mail: a pure state machine in the manner of
+//! quinn-proto's `Connection`. The edge (`gateway::turns`) looks at her inbox, hands what it
+//! sees to [`Drain::next`] with the time, and performs the [`Step`] it gets: waits, coalesces,
+//! or runs a turn on the batch it names. What a turn refused as too long leaves for the next
+//! one is decided here too ([`after_too_long`]).
+//!
+//! The rules, each unit-tested below:
+//! - a batch in flight when the gateway stopped (its first seq still the first pending) is
+//!   taken again whole, whatever her rules say now: it was admitted before;
+//! - otherwise her `[persona.turns]` rules ([`crate::admission`]) decide whether her mail
+//!   starts a turn, except for the first turn of a drain her Minds asked for;
+//! - between two turns of one drain, new mail is coalesced first ([`Step::Coalesce`]);
+//! - over her budget, nothing that costs starts ([`Step::OverBudget`]), a retry neither;
+//! - with no mail, a note that asked for a turn gets one of its own;
+//! - a batch no session could hold is halved, and a message too long alone is cut to half its
+//!   text at a time, down to [`MIN_CUT_BYTES`].
+
+use wire::docs::Delivery;
+
+use crate::admission::{Admission, Line, Rules, Verdict};
+use crate::render;
+
+/// A message is not cut below this: a fresh session that cannot hold even this much has no
+/// room for mail at all (her doctrine and state fill the window).
+pub const MIN_CUT_BYTES: usize = 1024;
+
+/// How much of a batch that no session could hold the next turn takes: half of it, and a lone
+/// message cut to half its text, until it fits. Cleared once a turn goes through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shrink {
+    /// The first this many deliveries.
+    Deliveries(usize),
+    /// Delivery `seq` alone, its text cut to `bytes`.
+    Cut {
+        /// Its seq.
+        seq: u64,
+        /// The bytes of its text kept.
+        bytes: usize,
+    },
+}
+
+/// What the edge sees of her inbox now.
+#[derive(Clone, Copy, Debug)]
+pub struct Look<'a> {
+    /// Her pending mail, in seq order.
+    pub pending: &'a [Delivery],
+    /// The same mail as her rules see it (one line each).
+    pub lines: &'a [Line<'a>],
+    /// The batch in flight when the gateway stopped (its first and last seq), if any.
+    pub inflight: Option<(u64, u64)>,
+    /// A note waiting asked for a turn of its own.
+    pub wake_note: bool,
+    /// Her spend has reached her daily cap.
+    pub over_budget: bool,
+    /// Now, in ms since the epoch.
+    pub now_ms: i64,
+}
+
+/// What to do next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing now: look again on new mail, or at `recheck_at_ms` (a sender's hour or the
+    /// ambient interval running out).
+    Idle {
+        /// When waiting mail may start a turn without new mail.
+        recheck_at_ms: Option<i64>,
+    },
+    /// Her mail would start a turn, but her spend has reached her cap: it waits.
+    OverBudget,
+    /// Wait out the debounce (new mail coalesces), then look again.
+    Coalesce,
+    /// A turn on notes alone.
+    Notes,
+    /// A turn on the first `take` pending deliveries.
+    Turn {
+        /// How many of the pending deliveries the batch takes.
+        take: usize,
+        /// The batch in flight, taken again (its start was booked before).
+        retry: bool,
+        /// The line that started it (its seq) and whether ambient mail did, to book against
+        /// her rules; `None` for a retry or her Minds' request.
+        trigger: Option<(u64, bool)>,
+        /// Its one message cut to this many bytes of its text.
+        cut: Option<usize>,
+    },
+}
+
+/// One drain of her mail: turns until nothing pending may start one.
+#[derive(Clone, Debug)]
+pub struct Drain {
+    /// Her Minds asked for this drain's first turn.
+    forced: bool,
+    /// No turn has run in this drain yet.
+    first: bool,
+    /// The mail was coalesced since the last turn.
+    coalesced: bool,
+}
+
+impl Drain {
+    /// A drain; `forced` when her Minds asked for a turn.
+    pub fn new(forced: bool) -> Self {
+        Self {
+            forced,
+            first: true,
+            coalesced: false,
+        }
+    }
+
+    /// The debounce asked for by [`Step::Coalesce`] is over.
+    pub fn coalesced(&mut self) {
+        self.coalesced = true;
+    }
+
+    /// What to do with `look`, given her rules and what they remember, the shrink a batch
+    /// refused as too long left, and her `max_batch`.
+    pub fn next(
+        &mut self,
+        look: &Look<'_>,
+        admission: &Admission,
+        rules: &Rules,
+        shrink: Option<Shrink>,
+        max_batch: usize,
+    ) -> Step {
+        let Some(head) = look.pending.first() else {
+            return match (look.wake_note, look.over_budget) {
+                (false, _) => Step::Idle {
+                    recheck_at_ms: None,
+                },
+                (true, true) => Step::OverBudget,
+                (true, false) => Step::Notes,
+            };
+        };
+        let retry = look.inflight.is_some_and(|(first, _)| head.seq == first);
+        let mut trigger = None;
+        if !retry && !self.forced {
+            match admission.decide(rules, look.lines, look.now_ms) {
+                Verdict::Wait { recheck_at_ms } => return Step::Idle { recheck_at_ms },
+                Verdict::Start {
+                    trigger: i,
+                    ambient,
+                } => {
+                    trigger = look.pending.get(i).map(|d| (d.seq, ambient));
+                }
+            }
+            if !self.first && !self.coalesced {
+                return Step::Coalesce;
+            }
+        }
+        if look.over_budget {
+            return Step::OverBudget;
+        }
+        self.first = false;
+        self.forced = false;
+        self.coalesced = false;
+        let mut take = match look.inflight {
+            Some((_, last)) if retry => look.pending.iter().take_while(|d| d.seq <= last).count(),
+            _ => render::next_batch(look.pending, max_batch).len(),
+        };
+        let mut cut = None;
+        match shrink {
+            Some(Shrink::Deliveries(n)) => take = take.min(n),
+            Some(Shrink::Cut { seq, bytes }) => {
+                take = take.min(1);
+                cut = (head.seq == seq).then_some(bytes);
+            }
+            None => {}
+        }
+        Step::Turn {
+            take,
+            retry,
+            trigger: trigger.filter(|_| !retry),
+            cut,
+        }
+    }
+}
+
+/// What the next turn takes after a fresh session refused `batch` (as it was shown, cut or not)
+/// as too long, `shrink` being what this turn took: half of it, or its one message cut to half
+/// its text. `None` when nothing smaller is left to try (the turn fails and the batch waits).
+pub fn after_too_long(batch: &[Delivery], shrink: Option<Shrink>) -> Option<Shrink> {
+    match batch {
+        [] => None,
+        [one] => {
+            let bytes = match shrink {
+                Some(Shrink::Cut { seq, bytes }) if seq == one.seq => bytes / 2,
+                _ => one.text.len() / 2,
+            };
+            (bytes >= MIN_CUT_BYTES).then_some(Shrink::Cut {
+                seq: one.seq,
+                bytes,
+            })
+        }
+        many => Some(Shrink::Deliveries(many.len() / 2)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mail(seqs: std::ops::RangeInclusive<u64>) -> Vec<Delivery> {
+        seqs.map(|seq| Delivery {
+            seq,
+            room_id: "!a".into(),
+            sender: "@ann:l".into(),
+            text: "x".repeat(5000),
+            ..Delivery::default()
+        })
+        .collect()
+    }
+
+    fn lines(pending: &[Delivery], addressed: bool) -> Vec<Line<'_>> {
+        pending
+            .iter()
+            .map(|d| Line {
+                room: &d.room_id,
+                sender: &d.sender,
+                addressed,
+                operator: false,
+                bot: false,
+            })
+            .collect()
+    }
+
+    fn look<'a>(pending: &'a [Delivery], lines: &'a [Line<'a>]) -> Look<'a> {
+        Look {
+            pending,
+            lines,
+            inflight: None,
+            wake_note: false,
+            over_budget: false,
+            now_ms: 1_000,
+        }
+    }
+
+    const MAX: usize = 20;
+
+    #[test]
+    fn no_mail_is_idle_unless_a_note_asks_for_a_turn() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let mut d = Drain::new(false);
+        let none = look(&[], &[]);
+        assert_eq!(
+            d.next(&none, &a, &r, None, MAX),
+            Step::Idle {
+                recheck_at_ms: None
+            }
+        );
+        let wake = Look {
+            wake_note: true,
+            ..none
+        };
+        assert_eq!(d.next(&wake, &a, &r, None, MAX), Step::Notes);
+        let broke = Look {
+            over_budget: true,
+            ..wake
+        };
+        assert_eq!(d.next(&broke, &a, &r, None, MAX), Step::OverBudget);
+    }
+
+    #[test]
+    fn her_rules_decide_and_a_second_turn_is_coalesced_first() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let pending = mail(1..=3);
+        let quiet = lines(&pending, false);
+        let mut d = Drain::new(false);
+        assert!(matches!(
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            Step::Idle { .. }
+        ));
+        let asked = lines(&pending, true);
+        assert_eq!(
+            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            Step::Turn {
+                take: 3,
+                retry: false,
+                trigger: Some((1, false)),
+                cut: None
+            }
+        );
+        // The next turn of this drain waits for the mail to settle, once.
+        assert_eq!(
+            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            Step::Coalesce
+        );
+        d.coalesced();
+        assert!(matches!(
+            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            Step::Turn { .. }
+        ));
+        // A batch takes at most max_batch.
+        let many = mail(1..=30);
+        let many_lines = lines(&many, true);
+        assert!(matches!(
+            Drain::new(false).next(&look(&many, &many_lines), &a, &r, None, MAX),
+            Step::Turn { take: 20, .. }
+        ));
+    }
+
+    #[test]
+    fn her_minds_request_and_a_retry_need_no_rule_but_the_budget_holds_them() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let pending = mail(4..=9);
+        let quiet = lines(&pending, false);
+        // Her Minds asked: one turn, no trigger to book; then her rules again.
+        let mut d = Drain::new(true);
+        assert_eq!(
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            Step::Turn {
+                take: 6,
+                retry: false,
+                trigger: None,
+                cut: None
+            }
+        );
+        assert!(matches!(
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            Step::Idle { .. }
+        ));
+        // The batch in flight at a crash is taken again whole, admitted or not.
+        let inflight = Look {
+            inflight: Some((4, 6)),
+            ..look(&pending, &quiet)
+        };
+        assert_eq!(
+            Drain::new(false).next(&inflight, &a, &r, None, MAX),
+            Step::Turn {
+                take: 3,
+                retry: true,
+                trigger: None,
+                cut: None
+            }
+        );
+        // An old in-flight mark (its first seq acked meanwhile) is no retry.
+        let stale = Look {
+            inflight: Some((2, 3)),
+            ..look(&pending, &quiet)
+        };
+        assert!(matches!(
+            Drain::new(false).next(&stale, &a, &r, None, MAX),
+            Step::Idle { .. }
+        ));
+        // Over budget nothing starts, a retry neither.
+        let broke = Look {
+            over_budget: true,
+            ..inflight
+        };
+        assert_eq!(
+            Drain::new(true).next(&broke, &a, &r, None, MAX),
+            Step::OverBudget
+        );
+    }
+
+    #[test]
+    fn a_batch_too_long_is_halved_then_its_message_cut_down_to_the_floor() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let pending = mail(1..=5);
+        let asked = lines(&pending, true);
+        // Five refused: the next takes two, then one, then that one cut in half and again.
+        let half = after_too_long(&pending, None);
+        assert_eq!(half, Some(Shrink::Deliveries(2)));
+        assert!(matches!(
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, half, MAX),
+            Step::Turn { take: 2, .. }
+        ));
+        assert_eq!(
+            after_too_long(&pending[..2], half),
+            Some(Shrink::Deliveries(1))
+        );
+        let cut = after_too_long(&pending[..1], Some(Shrink::Deliveries(1)));
+        assert_eq!(
+            cut,
+            Some(Shrink::Cut {
+                seq: 1,
+                bytes: 2500
+            })
+        );
+        assert_eq!(
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, cut, MAX),
+            Step::Turn {
+                take: 1,
+                retry: false,
+                trigger: Some((1, false)),
+                cut: Some(2500)
+            }
+        );
+        let again = after_too_long(&pending[..1], cut);
+        assert_eq!(
+            again,
+            Some(Shrink::Cut {
+                seq: 1,
+                bytes: 1250
+            })
+        );
+        // Below the floor nothing is left to try; an empty batch neither.
+        assert_eq!(after_too_long(&pending[..1], again), None);
+        assert_eq!(after_too_long(&[], None), None);
+        // A cut meant for another message (acked meanwhile) cuts nothing.
+        let other = Some(Shrink::Cut {
+            seq: 9,
+            bytes: 2000,
+        });
+        assert!(matches!(
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, other, MAX),
+            Step::Turn {
+                take: 1,
+                cut: None,
+                ..
+            }
+        ));
+    }
+}
