@@ -1781,7 +1781,7 @@ impl TurnLoop {
                             persona: id.clone(),
                             room: say.room.clone(),
                             text: say.text.clone(),
-                            thread_root: say.thread_root.clone(),
+                            thread_root: render::say_thread(say, batch).map(str::to_owned),
                             reply_to: say.reply_to.clone(),
                         })
                         .await;

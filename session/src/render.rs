@@ -306,6 +306,32 @@ fn context_line(c: &ContextLine) -> String {
     )
 }
 
+/// What a say's `threadRoot` names to send in the room's main timeline.
+pub const MAIN_TIMELINE: &str = "main";
+
+/// The thread a say to `room` (its id or alias) answers in when it names none: the thread of
+/// the newest line of that room in `batch` addressed to her, if that line is in one. So her
+/// answer to a line written in a thread stays in the thread, as people expect.
+pub fn answered_thread<'a>(batch: &'a [Delivery], room: &str) -> Option<&'a str> {
+    batch
+        .iter()
+        .rev()
+        .find(|d| d.to_you && (d.room_id == room || d.room_alias.as_deref() == Some(room)))?
+        .thread_root
+        .as_deref()
+        .and_then(untrusted::event_id)
+}
+
+/// The thread a say goes to: the one it names, none for [`MAIN_TIMELINE`], and by default the
+/// one of the line it answers ([`answered_thread`]).
+pub fn say_thread<'a>(say: &'a Say, batch: &'a [Delivery]) -> Option<&'a str> {
+    match say.thread_root.as_deref() {
+        Some(MAIN_TIMELINE) => None,
+        Some(root) => Some(root),
+        None => answered_thread(batch, &say.room),
+    }
+}
+
 /// One message the Persona wants to say.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -361,7 +387,7 @@ fn base_schema() -> serde_json::Value {
                             "maxLength": MAX_SAY_CHARS,
                             "description": format!("at most {MAX_SAY_CHARS} characters: split a longer message into several says")
                         },
-                        "threadRoot": {"type": "string"},
+                        "threadRoot": {"type": "string", "description": "a thread's root event id; by default a say answers in the thread of the newest line addressed to you in that room; \"main\" for the room's main timeline"},
                         "replyTo": {"type": "string"}
                     }
                 }
@@ -917,6 +943,39 @@ mod tests {
         );
         assert!(msg.contains("## direct message #ops:l (!dm)"));
         assert!(msg.contains("[9] \"alice\" (@alice:localhost) [to you] [thread $root] [reply to $r] [edit of $old]: line one\n    line two"), "{msg}");
+    }
+
+    #[test]
+    fn a_say_answers_in_the_thread_of_the_line_it_answers() {
+        let mut asked = d(3, "!a", false, "vera, in here?");
+        asked.to_you = true;
+        asked.thread_root = Some("$root".into());
+        asked.room_alias = Some("#lobby:l".into());
+        let mut chatter = d(4, "!a", false, "unrelated, main timeline");
+        chatter.thread_root = None;
+        let mut elsewhere = d(5, "!b", false, "vera?");
+        elsewhere.to_you = true;
+        let batch = [asked, chatter, elsewhere];
+        let say = |room: &str, thread: Option<&str>| Say {
+            room: room.into(),
+            text: "yes".into(),
+            thread_root: thread.map(str::to_owned),
+            reply_to: None,
+        };
+        // By id or alias: the thread of the newest line addressed to her there.
+        assert_eq!(say_thread(&say("!a", None), &batch), Some("$root"));
+        assert_eq!(say_thread(&say("#lobby:l", None), &batch), Some("$root"));
+        // Her line in another room was in no thread; "main" and a named thread are hers.
+        assert_eq!(say_thread(&say("!b", None), &batch), None);
+        assert_eq!(say_thread(&say("!a", Some(MAIN_TIMELINE)), &batch), None);
+        assert_eq!(
+            say_thread(&say("!a", Some("$other")), &batch),
+            Some("$other")
+        );
+        // A relation target that is no event id is never answered into.
+        let mut forged = batch[0].clone();
+        forged.thread_root = Some("not an id".into());
+        assert_eq!(answered_thread(&[forged], "!a"), None);
     }
 
     #[test]

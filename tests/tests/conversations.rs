@@ -1,0 +1,90 @@
+//! Conversations as people have them in Matrix, end to end (`cultnet-gateway run`, a real
+//! Synapse, the real claude CLI against the mock Messages API): her answer to a line written
+//! in a thread stays in that thread (`m.thread`, with the reply fallback for clients without
+//! threads), unless her say names the main timeline.
+
+use std::time::Duration;
+
+use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use serde_json::json;
+use tests::live::{contents_by, live_section, wait_for_reply};
+use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::mock_api::{MockApi, MockConfig};
+use tests::synapse::Limits;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
+    let scene = Scene::new("conv-thread", Limits::Relaxed).await;
+    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
+    let lobby = public_room(ann, "ct-lobby").await;
+    let room = lobby.room_id().to_string();
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let config = write_config(
+        &dir,
+        &url,
+        &scene.vera_token,
+        &["#ct-lobby:localhost"],
+        &[],
+        &session,
+    );
+    let gw = GatewayProcess::start(&config);
+    mock.script(json!({"say": [{"room": room, "text": "hello all"}]}));
+    lobby
+        .send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &lobby, "hello all", Duration::from_secs(90)).await;
+
+    // A thread, and a line in it addressed to her, as a client writes it.
+    let root = lobby
+        .send(RoomMessageEventContent::text_plain("a topic for later"))
+        .await
+        .unwrap()
+        .response
+        .event_id
+        .to_string();
+    let in_thread = |body: &str| {
+        json!({"msgtype": "m.text", "body": body,
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                             "m.in_reply_to": {"event_id": root}}})
+    };
+    mock.script(json!({"say": [{"room": room, "text": "in the thread"}]}));
+    lobby
+        .send_raw("m.room.message", in_thread("vera, what do you think?"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &lobby, "in the thread", Duration::from_secs(90)).await;
+    // She may still answer in the main timeline, by saying so.
+    mock.script(json!({"say": [{"room": room, "text": "to everyone", "threadRoot": "main"}]}));
+    lobby
+        .send_raw("m.room.message", in_thread("vera, tell the room"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &lobby, "to everyone", Duration::from_secs(90)).await;
+
+    let hers = contents_by(ann, &lobby, "@vera:localhost").await;
+    let said = |body: &str| {
+        hers.iter()
+            .find(|c| c["body"] == body)
+            .cloned()
+            .unwrap_or_else(|| panic!("{body:?} not in {hers:?}"))
+    };
+    let threaded = said("in the thread");
+    assert_eq!(
+        threaded["m.relates_to"]["rel_type"], "m.thread",
+        "{threaded}"
+    );
+    assert_eq!(threaded["m.relates_to"]["event_id"], root.as_str());
+    assert_eq!(
+        threaded["m.relates_to"]["m.in_reply_to"]["event_id"],
+        root.as_str(),
+        "the reply fallback for clients without threads"
+    );
+    assert_eq!(threaded["m.relates_to"]["is_falling_back"], true);
+    let main = said("to everyone");
+    assert!(main.get("m.relates_to").is_none(), "{main}");
+    let first = said("hello all");
+    assert!(first.get("m.relates_to").is_none(), "{first}");
+    assert!(gw.stop().success());
+}
