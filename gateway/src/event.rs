@@ -94,19 +94,6 @@ fn strip_reply_fallback(body: &str) -> &str {
     rest.trim_start_matches('\n')
 }
 
-/// Whether `needle` occurs in `hay` as a whole word (case-insensitive).
-fn has_word(hay: &str, needle: &str) -> bool {
-    if needle.is_empty() {
-        return false;
-    }
-    let hay = hay.to_lowercase();
-    let needle = needle.to_lowercase();
-    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
-    hay.match_indices(&needle).any(|(i, m)| {
-        !word(hay[..i].chars().next_back()) && !word(hay[i + m.len()..].chars().next())
-    })
-}
-
 /// The text a message shows: for edits the new content, for replies without their fallback,
 /// for media the description.
 fn message_text(content: &Value) -> Option<(DeliveryKind, String)> {
@@ -256,11 +243,11 @@ pub fn delivery(
         .and_then(|m| m.get("room"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let named = has_word(&text, me.localpart())
+    let named = session::render::has_word(&text, me.localpart())
         || me
             .display_name
             .as_deref()
-            .is_some_and(|n| has_word(&text, n));
+            .is_some_and(|n| session::render::has_word(&text, n));
     let to_you = room.is_direct || room_mention || mentions.contains(&me.user_id) || named;
     Some(Delivery {
         kind,

@@ -117,8 +117,15 @@ pub fn txn_id(persona: &str, request_id: &str) -> String {
 pub const MAX_FORMATTED_BYTES: usize = 40 * 1024;
 
 /// The `m.room.message` content for a send: text (with its Markdown rendered as HTML when it
-/// has any), in a thread and/or replying.
-pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) -> Value {
+/// has any), in a thread and/or replying, and with `mentions` the users it mentions
+/// (`m.mentions`: clients then ping exactly these, instead of guessing from the text by the
+/// legacy push rules). `None` leaves `m.mentions` out, as a CultNet client's send asks.
+pub fn content(
+    text: &str,
+    thread_root: Option<&str>,
+    reply_to: Option<&str>,
+    mentions: Option<&[String]>,
+) -> Value {
     let mut c = json!({"msgtype": "m.text", "body": text});
     // Her replies are written in Markdown: clients show `formatted_body` (and sanitize it),
     // the plain `body` stays the source. Left out when the two would not fit an event.
@@ -141,6 +148,13 @@ pub fn content(text: &str, thread_root: Option<&str>, reply_to: Option<&str>) ->
             c["m.relates_to"] = json!({"m.in_reply_to": {"event_id": reply}});
         }
         (None, None) => {}
+    }
+    if let Some(users) = mentions {
+        c["m.mentions"] = if users.is_empty() {
+            json!({})
+        } else {
+            json!({ "user_ids": users })
+        };
     }
     c
 }
@@ -224,8 +238,17 @@ impl Mouth {
 
     /// Sends (at most once per request id) and answers with the receipt.
     pub async fn send(&self, req: &SendRequest) -> SendReceipt {
+        self.send_mentioning(req, None).await
+    }
+
+    /// [`Mouth::send`] with `m.mentions` (see [`content`]): her own says name who they mention.
+    pub async fn send_mentioning(
+        &self,
+        req: &SendRequest,
+        mentions: Option<&[String]>,
+    ) -> SendReceipt {
         let started = std::time::Instant::now();
-        let receipt = self.send_inner(req).await;
+        let receipt = self.send_inner(req, mentions).await;
         crate::metrics::global().send(
             &self.persona,
             receipt.status,
@@ -234,8 +257,8 @@ impl Mouth {
         receipt
     }
 
-    async fn send_inner(&self, req: &SendRequest) -> SendReceipt {
-        match self.try_send(req).await {
+    async fn send_inner(&self, req: &SendRequest, mentions: Option<&[String]>) -> SendReceipt {
+        match self.try_send(req, mentions).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(persona = %self.persona, request = %req.request_id, error = %e, "send failed");
@@ -253,8 +276,12 @@ impl Mouth {
         }
     }
 
-    /// [`Mouth::send`] with the failure typed.
-    pub async fn try_send(&self, req: &SendRequest) -> Result<SendReceipt, MouthError> {
+    /// [`Mouth::send_mentioning`] with the failure typed.
+    pub async fn try_send(
+        &self,
+        req: &SendRequest,
+        mentions: Option<&[String]>,
+    ) -> Result<SendReceipt, MouthError> {
         let store = |e: crate::inbox::InboxError| MouthError::Store(e.to_string());
         if let Some(r) = self
             .inbox
@@ -275,6 +302,7 @@ impl Mouth {
             &req.text,
             req.thread_root.as_deref(),
             req.reply_to.as_deref(),
+            mentions,
         );
         let mut backoff = Backoff::new(self.retry_floor, Duration::from_secs(8));
         let mut attempt = 0;
@@ -427,26 +455,37 @@ mod tests {
     #[test]
     fn content_carries_threads_and_replies() {
         assert_eq!(
-            content("hi", None, None),
+            content("hi", None, None, None),
             json!({"msgtype": "m.text", "body": "hi"})
         );
-        let r = content("hi", None, Some("$q"));
+        let r = content("hi", None, Some("$q"), None);
         assert_eq!(
             r["m.relates_to"],
             json!({"m.in_reply_to": {"event_id": "$q"}})
         );
-        let t = content("hi", Some("$root"), None);
+        let t = content("hi", Some("$root"), None, None);
         assert_eq!(t["m.relates_to"]["rel_type"], "m.thread");
         assert_eq!(t["m.relates_to"]["is_falling_back"], true);
         assert_eq!(t["m.relates_to"]["m.in_reply_to"]["event_id"], "$root");
-        let tr = content("hi", Some("$root"), Some("$q"));
+        let tr = content("hi", Some("$root"), Some("$q"), None);
         assert_eq!(tr["m.relates_to"]["is_falling_back"], false);
         assert_eq!(tr["m.relates_to"]["m.in_reply_to"]["event_id"], "$q");
+        // Her says name whom they mention, or that they mention no one.
+        let who = ["@ann:l".to_owned()];
+        assert_eq!(
+            content("hi ann", None, None, Some(&who))["m.mentions"],
+            json!({"user_ids": ["@ann:l"]})
+        );
+        assert_eq!(
+            content("hi", None, None, Some(&[]))["m.mentions"],
+            json!({})
+        );
+        assert!(r.get("m.mentions").is_none());
     }
 
     #[test]
     fn markdown_is_rendered_beside_its_source_when_it_fits() {
-        let c = content("**bold** and `code`", None, Some("$q"));
+        let c = content("**bold** and `code`", None, Some("$q"), None);
         assert_eq!(c["body"], "**bold** and `code`");
         assert_eq!(c["format"], "org.matrix.custom.html");
         assert_eq!(
@@ -454,20 +493,20 @@ mod tests {
             "<strong>bold</strong> and <code>code</code>"
         );
         assert_eq!(c["m.relates_to"]["m.in_reply_to"]["event_id"], "$q");
-        let list = content("- one\n- two", None, None);
+        let list = content("- one\n- two", None, None, None);
         assert_eq!(
             list["formatted_body"],
             "<ul>\n<li>one</li>\n<li>two</li>\n</ul>\n"
         );
         // Plain text stays plain; line breaks alone are no reason for HTML.
         assert_eq!(
-            content("just words\non two lines", None, None),
+            content("just words\non two lines", None, None, None),
             json!({"msgtype": "m.text", "body": "just words\non two lines"})
         );
         // The longest text the mouth sends, all Markdown: too big beside its HTML for one
         // event, so it goes as its source alone.
         let long = "*x* ".repeat(MAX_TEXT_BYTES / 4);
-        let c = content(&long, None, None);
+        let c = content(&long, None, None, None);
         assert!(c.get("formatted_body").is_none() && c.get("format").is_none());
         assert_eq!(c["body"], long.as_str());
     }

@@ -1774,16 +1774,20 @@ impl TurnLoop {
                 let mut refused: Vec<(&str, &str, String)> = Vec::new();
                 for (i, say) in reply.say.iter().enumerate() {
                     let request_id = format!("{turn_id}:{i}");
+                    let mentions = render::mentioned(say, batch, &self.persona.user_id);
                     let receipt = self
                         .mouth
-                        .send(&SendRequest {
-                            request_id: request_id.clone(),
-                            persona: id.clone(),
-                            room: say.room.clone(),
-                            text: say.text.clone(),
-                            thread_root: render::say_thread(say, batch).map(str::to_owned),
-                            reply_to: say.reply_to.clone(),
-                        })
+                        .send_mentioning(
+                            &SendRequest {
+                                request_id: request_id.clone(),
+                                persona: id.clone(),
+                                room: say.room.clone(),
+                                text: say.text.clone(),
+                                thread_root: render::say_thread(say, batch).map(str::to_owned),
+                                reply_to: say.reply_to.clone(),
+                            },
+                            Some(&mentions),
+                        )
                         .await;
                     match receipt.status {
                         // Her own line comes back in her rooms' timelines: she said it, so it

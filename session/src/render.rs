@@ -332,6 +332,59 @@ pub fn say_thread<'a>(say: &'a Say, batch: &'a [Delivery]) -> Option<&'a str> {
     }
 }
 
+/// Whether `needle` occurs in `hay` as a whole word (case-insensitive): how a name is found in
+/// a line, hers in chat or another's in her say.
+pub fn has_word(hay: &str, needle: &str) -> bool {
+    if needle.is_empty() {
+        return false;
+    }
+    let hay = hay.to_lowercase();
+    let needle = needle.to_lowercase();
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    hay.match_indices(&needle).any(|(i, m)| {
+        !word(hay[..i].chars().next_back()) && !word(hay[i + m.len()..].chars().next())
+    })
+}
+
+/// The users a say of hers mentions, for its `m.mentions`: the sender of the line it replies
+/// to, and everyone in `batch` (its senders, and those of its context lines) whose user id or
+/// display name it names as a word; never `me`, never the whole room. In the order first
+/// found, each once.
+pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
+    let people = batch.iter().flat_map(|d| {
+        std::iter::once((
+            d.event_id.as_str(),
+            d.sender.as_str(),
+            d.sender_name.as_deref(),
+        ))
+        .chain(d.context.iter().map(|c| {
+            (
+                c.event_id.as_str(),
+                c.sender.as_str(),
+                c.sender_name.as_deref(),
+            )
+        }))
+    });
+    let mut out: Vec<String> = Vec::new();
+    let mut add = |user: &str| {
+        if user != me && !out.iter().any(|u| u == user) {
+            out.push(user.to_owned());
+        }
+    };
+    if let Some(target) = &say.reply_to {
+        if let Some((_, sender, _)) = people.clone().find(|(id, _, _)| id == target) {
+            add(sender);
+        }
+    }
+    for (_, sender, name) in people {
+        let named = name.is_some_and(|n| n.chars().count() >= 2 && has_word(&say.text, n));
+        if named || say.text.contains(sender) {
+            add(sender);
+        }
+    }
+    out
+}
+
 /// One message the Persona wants to say.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -976,6 +1029,41 @@ mod tests {
         let mut forged = batch[0].clone();
         forged.thread_root = Some("not an id".into());
         assert_eq!(answered_thread(&[forged], "!a"), None);
+    }
+
+    #[test]
+    fn her_say_mentions_whom_it_names_and_whom_it_answers() {
+        let mut ann = d(1, "!a", false, "vera, ask bob");
+        ann.sender_name = Some("Ann Lee".into());
+        ann.context = vec![ContextLine {
+            event_id: "$c1".into(),
+            sender: "@bob:l".into(),
+            sender_name: Some("bob".into()),
+            ts: 0,
+            text: "hi".into(),
+        }];
+        let mut eve = d(2, "!a", false, "and me");
+        eve.sender = "@eve:l".into();
+        eve.sender_name = Some("e".into());
+        let batch = [ann, eve];
+        let say = |text: &str, reply: Option<&str>| Say {
+            room: "!a".into(),
+            text: text.into(),
+            thread_root: None,
+            reply_to: reply.map(str::to_owned),
+        };
+        assert_eq!(
+            mentioned(&say("Bob, Ann Lee asks", None), &batch, "@vera:l"),
+            ["@alice:localhost", "@bob:l"]
+        );
+        // A reply mentions whom it answers; a name of one letter is no mention; nor is she.
+        assert_eq!(
+            mentioned(&say("e: sure", Some("$e2")), &batch, "@vera:l"),
+            ["@eve:l"]
+        );
+        assert!(mentioned(&say("bobby and annlee", None), &batch, "@vera:l").is_empty());
+        assert!(mentioned(&say("ask @bob:l", None), &batch, "@bob:l").is_empty());
+        assert!(has_word("Hi, Vera!", "vera") && !has_word("veranda", "vera"));
     }
 
     #[test]

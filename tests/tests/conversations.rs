@@ -1,7 +1,8 @@
 //! Conversations as people have them in Matrix, end to end (`cultnet-gateway run`, a real
 //! Synapse, the real claude CLI against the mock Messages API): her answer to a line written
 //! in a thread stays in that thread (`m.thread`, with the reply fallback for clients without
-//! threads), unless her say names the main timeline.
+//! threads), unless her say names the main timeline; her says carry `m.mentions`, naming the
+//! sender a reply answers, so clients ping exactly them.
 
 use std::time::Duration;
 
@@ -63,6 +64,17 @@ async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
         .unwrap();
     wait_for_reply(ann, &lobby, "to everyone", Duration::from_secs(90)).await;
 
+    // A reply to one line: it mentions its sender.
+    let asked = lobby
+        .send(RoomMessageEventContent::text_plain("vera, who am I?"))
+        .await
+        .unwrap()
+        .response
+        .event_id
+        .to_string();
+    mock.script(json!({"say": [{"room": room, "text": "you asked it", "replyTo": asked}]}));
+    wait_for_reply(ann, &lobby, "you asked it", Duration::from_secs(90)).await;
+
     let hers = contents_by(ann, &lobby, "@vera:localhost").await;
     let said = |body: &str| {
         hers.iter()
@@ -86,5 +98,17 @@ async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     assert!(main.get("m.relates_to").is_none(), "{main}");
     let first = said("hello all");
     assert!(first.get("m.relates_to").is_none(), "{first}");
+    // Mentions: none where she names no one, her asker where she replies.
+    assert_eq!(threaded["m.mentions"], json!({}), "{threaded}");
+    let reply = said("you asked it");
+    assert_eq!(
+        reply["m.relates_to"]["m.in_reply_to"]["event_id"],
+        asked.as_str()
+    );
+    assert_eq!(
+        reply["m.mentions"],
+        json!({"user_ids": ["@ann:localhost"]}),
+        "{reply}"
+    );
     assert!(gw.stop().success());
 }
