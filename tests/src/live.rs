@@ -253,3 +253,36 @@ pub async fn live_cast(
     .expect("config");
     config
 }
+
+/// Vera live in a new public room `#ALIAS:localhost` that the scene's ann makes, with her
+/// `[persona.session]` (and `[persona.turns]`) section `session` and `extra` config text after
+/// it (a client block): the room, her config, and the running gateway, once she has joined.
+pub async fn vera_live_in(
+    scene: &crate::matrix::Scene,
+    alias: &str,
+    session: &str,
+    operators: &[&str],
+    extra: &str,
+) -> (matrix_sdk::Room, std::path::PathBuf, GatewayProcess) {
+    let room = crate::matrix::public_room(&scene.ann, alias).await;
+    let config = crate::matrix::write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &[&format!("#{alias}:localhost")],
+        operators,
+        &format!("{session}{extra}"),
+    );
+    let gw = GatewayProcess::start(&config);
+    let vera: OwnedUserId = "@vera:localhost".try_into().expect("user id");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !has_joined(&scene.ann, &room, &vera).await {
+        assert!(
+            Instant::now() < deadline,
+            "vera did not join #{alias}; log:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (room, config, gw)
+}

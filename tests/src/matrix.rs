@@ -371,6 +371,28 @@ impl GatewayProcess {
         self.child.id()
     }
 
+    /// Sends SIGHUP and waits (up to a minute) until the log says the config was reloaded or
+    /// refused.
+    pub fn reload(&self) {
+        let done = |log: &str| {
+            log.matches("SIGHUP: config reloaded").count() + log.matches("is refused").count()
+        };
+        let before = done(&self.log());
+        std::process::Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .expect("kill -HUP");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while done(&self.log()) == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no reload; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// `kill -9`.
     pub fn kill9(mut self) {
         let _ = self.child.kill();

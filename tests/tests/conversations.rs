@@ -8,28 +8,19 @@ use std::time::Duration;
 
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use serde_json::json;
-use tests::live::{contents_by, live_section, wait_for_reply};
-use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
+use tests::live::{contents_by, live_section, vera_live_in, wait_for_reply};
+use tests::matrix::Scene;
 use tests::mock_api::{MockApi, MockConfig};
 use tests::synapse::Limits;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     let scene = Scene::new("conv-thread", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "ct-lobby").await;
-    let room = lobby.room_id().to_string();
+    let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 2000, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#ct-lobby:localhost"],
-        &[],
-        &session,
-    );
-    let gw = GatewayProcess::start(&config);
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let (lobby, _, gw) = vera_live_in(&scene, "ct-lobby", &session, &[], "").await;
+    let room = lobby.room_id().to_string();
     mock.script(json!({"say": [{"room": room, "text": "hello all"}]}));
     lobby
         .send(RoomMessageEventContent::text_plain("hello vera"))

@@ -17,7 +17,7 @@ use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use matrix_sdk::ruma::OwnedUserId;
 use serde_json::json;
-use tests::live::{from_vera, live_section, wait_for_reply, with_turns};
+use tests::live::{from_vera, live_section, vera_live_in, wait_for_reply, with_turns};
 use tests::matrix::{
     add_metrics, has_joined, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
 };
@@ -64,6 +64,20 @@ async fn joined(
     }
 }
 
+/// `name`, registered and joined to the room `alias`: that room as she sees it.
+async fn member(scene: &Scene, name: &str, alias: &str) -> matrix_sdk::Room {
+    scene.hs.register(name, &format!("{name}-pw"));
+    let c = user_client(
+        &scene.url,
+        name,
+        &format!("{name}-pw"),
+        &scene.dir.join(name),
+    )
+    .await;
+    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from(alias).unwrap();
+    c.join_room_by_id_or_alias(&alias, &[]).await.unwrap()
+}
+
 /// Waits until the mock has had no request for `quiet`.
 async fn until_quiet(mock: &MockApi, quiet: Duration) {
     let mut last = mock.ledger().len();
@@ -94,21 +108,6 @@ fn gauge(gw: &GatewayProcess, name: &str) -> f64 {
         .get(&format!("cultnet_gateway_{name}{{persona=\"vera\"}}"))
         .copied()
         .unwrap_or(0.0)
-}
-
-/// Sends SIGHUP and waits for the reload to be logged.
-fn hup(gw: &GatewayProcess) {
-    let done = |log: &str| log.matches("SIGHUP: config reloaded").count();
-    let before = done(&gw.log());
-    std::process::Command::new("kill")
-        .args(["-HUP", &gw.pid().to_string()])
-        .status()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while done(&gw.log()) == before {
-        assert!(Instant::now() < deadline, "no reload; log:\n{}", gw.log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,7 +201,7 @@ async fn at_her_daily_cap_her_mail_waits_and_a_higher_cap_answers_it_once() {
             .replace("usd_per_day = 0.001", "usd_per_day = 100.0"),
     )
     .unwrap();
-    hup(&gw);
+    gw.reload();
     wait_for_reply(ann, &lobby, "caught up", Duration::from_secs(90)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let said = from_vera(ann, &lobby).await;
@@ -234,21 +233,12 @@ async fn at_her_daily_cap_her_mail_waits_and_a_higher_cap_answers_it_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unaddressed_lines_ride_with_her_next_addressed_turn_and_ambient_mail_keeps_its_interval() {
     let scene = Scene::new("governed-addressed", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "ga-lobby").await;
-    let room = lobby.room_id().to_string();
+    let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 2000, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#ga-lobby:localhost"],
-        &[],
-        &with_turns(&session, "start = \"addressed\""),
-    );
-    let gw = GatewayProcess::start(&config);
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let session = with_turns(&session, "start = \"addressed\"");
+    let (lobby, config, gw) = vera_live_in(&scene, "ga-lobby", &session, &[], "").await;
+    let room = lobby.room_id().to_string();
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
 
     // Ten lines meant for no one, each past the debounce (200 ms): no turn.
@@ -286,7 +276,7 @@ async fn unaddressed_lines_ride_with_her_next_addressed_turn_and_ambient_mail_ke
         ),
     )
     .unwrap();
-    hup(&gw);
+    gw.reload();
     joined(ann, &lobby, "@vera:localhost", &gw).await;
     let from = mock.ledger().len();
     for i in 0..24 {
@@ -318,25 +308,13 @@ async fn unaddressed_lines_ride_with_her_next_addressed_turn_and_ambient_mail_ke
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_mentioning_her_again_and_again_starts_at_most_her_hourly_turns() {
     let scene = Scene::new("governed-sender", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "gs-lobby").await;
-    let room = lobby.room_id().to_string();
-    scene.hs.register("mallory", "mallory-pw");
-    let mallory = user_client(&url, "mallory", "mallory-pw", &dir.join("mallory")).await;
-    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from("#gs-lobby:localhost").unwrap();
-    let m_lobby = mallory.join_room_by_id_or_alias(&alias, &[]).await.unwrap();
+    let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 2000, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#gs-lobby:localhost"],
-        &[],
-        &with_turns(&session, "start = \"addressed\"\nper_sender_per_hour = 3"),
-    );
-    let gw = GatewayProcess::start(&config);
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let session = with_turns(&session, "start = \"addressed\"\nper_sender_per_hour = 3");
+    let (lobby, _, gw) = vera_live_in(&scene, "gs-lobby", &session, &[], "").await;
+    let room = lobby.room_id().to_string();
+    let m_lobby = member(&scene, "mallory", "#gs-lobby:localhost").await;
     let chat = |text: &str| RoomMessageEventContent::text_plain(text);
 
     // Thirty mentions in 15 s, each past the debounce.
@@ -376,27 +354,14 @@ async fn a_member_mentioning_her_again_and_again_starts_at_most_her_hourly_turns
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_300_lines_from_three_people_reaches_her_once_each_in_few_turns() {
     let scene = Scene::new("governed-burst", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "gu-lobby").await;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let session = with_turns(&session, "start = \"all\"\nper_sender_per_hour = 1000");
+    let (lobby, _, gw) = vera_live_in(&scene, "gu-lobby", &session, &[], "").await;
     let mut talkers = vec![lobby.clone()];
     for name in ["bob", "carol"] {
-        scene.hs.register(name, &format!("{name}-pw"));
-        let c = user_client(&url, name, &format!("{name}-pw"), &dir.join(name)).await;
-        let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from("#gu-lobby:localhost").unwrap();
-        talkers.push(c.join_room_by_id_or_alias(&alias, &[]).await.unwrap());
+        talkers.push(member(&scene, name, "#gu-lobby:localhost").await);
     }
-    let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 2000, "");
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#gu-lobby:localhost"],
-        &[],
-        &with_turns(&session, "start = \"all\"\nper_sender_per_hour = 1000"),
-    );
-    let gw = GatewayProcess::start(&config);
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
 
     // Three people, 100 lines each, one every 100 ms.
     let started = Instant::now();
@@ -494,26 +459,19 @@ async fn two_personas_naming_each_other_stop_within_their_bot_exchanges() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_start_minds_only_a_cultnet_turn_request_starts_a_turn() {
     let scene = Scene::new("governed-minds", Limits::Relaxed).await;
-    let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
-    let lobby = public_room(ann, "gm-lobby").await;
-    let room = lobby.room_id().to_string();
+    let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
-    let (session, _) = live_section(&dir, &mock, 2000, "");
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
     let heart = SigningKey::from_bytes(&[41; 32]);
-    let config = write_config(
-        &dir,
-        &url,
-        &scene.vera_token,
-        &["#gm-lobby:localhost"],
+    let (lobby, _, gw) = vera_live_in(
+        &scene,
+        "gm-lobby",
+        &with_turns(&session, "start = \"minds\""),
         &["@ann:localhost"],
-        &format!(
-            "{}{}",
-            with_turns(&session, "start = \"minds\""),
-            tests::live::client_block("heart", &heart, &["vera"], &["turn"])
-        ),
-    );
-    let gw = GatewayProcess::start(&config);
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
+        &tests::live::client_block("heart", &heart, &["vera"], &["turn"]),
+    )
+    .await;
+    let room = lobby.room_id().to_string();
     // Her operator, addressing her: no turn.
     lobby
         .send(RoomMessageEventContent::text_plain("vera, are you there?"))
