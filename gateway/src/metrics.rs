@@ -83,6 +83,8 @@ pub struct Metrics {
     pub over_budget: Family<PersonaLabel, Gauge>,
     /// When an over-budget Persona resumes, seconds since the epoch (0 when she is not).
     pub budget_resumes_at: Family<PersonaLabel, Gauge>,
+    /// Live claude processes stopped to make room for another Persona's (`[sessions] max_live`).
+    pub process_evictions: Counter,
 }
 
 /// The limits a request can be refused for ([`Metrics::limited`]).
@@ -112,6 +114,7 @@ impl Metrics {
             clients_cut_off: Family::default(),
             over_budget: Family::default(),
             budget_resumes_at: Family::default(),
+            process_evictions: Counter::default(),
         };
         // Every limit's series exists from the start at 0, so a dashboard shows a flat line,
         // not "no data", and a rate over the first cut-off is right.
@@ -426,6 +429,11 @@ pub(crate) fn registry(state: Arc<Mutex<Snapshot>>) -> Registry {
         "over_budget",
         "1 while a Persona's spend in the last 24 hours has reached her daily cap",
         m.over_budget.clone(),
+    );
+    r.register(
+        "process_evictions",
+        "Live claude processes stopped to make room for another Persona's (sessions.max_live)",
+        m.process_evictions.clone(),
     );
     r.register(
         "budget_resumes_at_seconds",

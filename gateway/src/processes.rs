@@ -155,6 +155,7 @@ impl Processes {
         if asked {
             self.evictions
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            crate::metrics::global().process_evictions.inc();
         }
         self.freed.notify_waiters();
     }

@@ -637,6 +637,11 @@ impl TurnLoop {
                 }
             };
             forced = turn_requested;
+            // Working from here (the debounce too): her process is not stopped for another's
+            // while her turn is about to start.
+            if let Some(p) = &self.processes {
+                p.busy(&self.persona.id);
+            }
             if !forced && !self.debounce(&mut stop).await {
                 break;
             }

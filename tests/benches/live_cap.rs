@@ -114,7 +114,7 @@ async fn run(max_live: usize) -> Figures {
         .collect();
     let evictions = gw
         .log()
-        .matches("stopping her idle process to make room")
+        .matches("to make room for another Persona's")
         .count();
     assert!(gw.stop().success());
     latencies.sort_by(f64::total_cmp);

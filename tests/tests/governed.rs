@@ -587,7 +587,7 @@ async fn six_live_personas_with_two_live_processes_answer_every_batch() {
     let (most, rss) = watcher.join().unwrap();
     let evictions = gw
         .log()
-        .matches("stopping her idle process to make room")
+        .matches("to make room for another Persona's")
         .count();
     let cost = |turns: &[LedgerEntry]| {
         turns.iter().map(|e| e.cost).sum::<f64>() / turns.len().max(1) as f64
@@ -612,7 +612,12 @@ async fn six_live_personas_with_two_live_processes_answer_every_batch() {
         live.len()
     );
     assert!(most <= 2, "{most} live processes at once");
-    assert!(evictions >= 4, "{evictions} evictions");
+    // Each Persona past the first two needs one in each round; no turn needs more than one.
+    let turns: usize = per_round.iter().map(Vec::len).sum();
+    assert!(
+        (8..=turns).contains(&evictions),
+        "{evictions} evictions for {turns} turns"
+    );
     assert!(live.len() <= 2);
     for (round, turns) in per_round.iter().enumerate() {
         assert!(
