@@ -61,20 +61,34 @@ pub async fn contents_by(
     room: &matrix_sdk::Room,
     user: &str,
 ) -> Vec<serde_json::Value> {
+    messages_by(reader, room, user)
+        .await
+        .into_iter()
+        .map(|v| v["content"].clone())
+        .collect()
+}
+
+/// The messages (whole events) `user` sent in `room` (the last 100), oldest first, as
+/// `reader` sees them.
+pub async fn messages_by(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+) -> Vec<serde_json::Value> {
     sync(reader).await;
     let mut opts = matrix_sdk::room::MessagesOptions::backward();
     opts.limit = 100u32.into();
     let msgs = room.messages(opts).await.unwrap();
-    let mut contents: Vec<serde_json::Value> = msgs
+    let mut events: Vec<serde_json::Value> = msgs
         .chunk
         .iter()
         .filter_map(|e| {
             let v: serde_json::Value = serde_json::from_str(e.raw().json().get()).ok()?;
-            (v["sender"] == user && v["type"] == "m.room.message").then(|| v["content"].clone())
+            (v["sender"] == user && v["type"] == "m.room.message").then_some(v)
         })
         .collect();
-    contents.reverse();
-    contents
+    events.reverse();
+    events
 }
 
 /// Waits (up to `within`) until vera has said `text` in `room`; her bodies there.
