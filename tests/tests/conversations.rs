@@ -16,6 +16,23 @@ use tests::matrix::Scene;
 use tests::mock_api::{MockApi, MockConfig};
 use tests::synapse::Limits;
 
+/// Says `text` in `room`; its event id.
+async fn said_in(room: &matrix_sdk::Room, text: &str) -> String {
+    room.send(RoomMessageEventContent::text_plain(text))
+        .await
+        .unwrap()
+        .response
+        .event_id
+        .to_string()
+}
+
+/// A line in the thread of `root`, as a client writes it (with the reply fallback).
+fn in_thread(root: &str, body: &str) -> serde_json::Value {
+    json!({"msgtype": "m.text", "body": body,
+        "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                         "m.in_reply_to": {"event_id": root}}})
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     let scene = Scene::new("conv-thread", Limits::Relaxed).await;
@@ -32,18 +49,8 @@ async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     wait_for_reply(ann, &lobby, "hello all", Duration::from_secs(90)).await;
 
     // A thread, and a line in it addressed to her, as a client writes it.
-    let root = lobby
-        .send(RoomMessageEventContent::text_plain("a topic for later"))
-        .await
-        .unwrap()
-        .response
-        .event_id
-        .to_string();
-    let in_thread = |body: &str| {
-        json!({"msgtype": "m.text", "body": body,
-            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
-                             "m.in_reply_to": {"event_id": root}}})
-    };
+    let root = said_in(&lobby, "a topic for later").await;
+    let in_thread = |body: &str| in_thread(&root, body);
     mock.script(json!({"say": [{"room": room, "text": "in the thread"}]}));
     lobby
         .send_raw("m.room.message", in_thread("vera, what do you think?"))
@@ -59,13 +66,7 @@ async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     wait_for_reply(ann, &lobby, "to everyone", Duration::from_secs(90)).await;
 
     // A reply to one line: it mentions its sender.
-    let asked = lobby
-        .send(RoomMessageEventContent::text_plain("vera, who am I?"))
-        .await
-        .unwrap()
-        .response
-        .event_id
-        .to_string();
+    let asked = said_in(&lobby, "vera, who am I?").await;
     mock.script(json!({"say": [{"room": room, "text": "you asked it", "replyTo": asked}]}));
     wait_for_reply(ann, &lobby, "you asked it", Duration::from_secs(90)).await;
 
@@ -149,18 +150,8 @@ async fn a_reply_to_her_or_a_line_in_her_thread_is_addressed_to_her() {
     wait_for_reply(ann, &lobby, "then this", Duration::from_secs(90)).await;
 
     // A thread she has spoken in: its next line, without her name, is for her.
-    let root = lobby
-        .send(RoomMessageEventContent::text_plain("plans for friday"))
-        .await
-        .unwrap()
-        .response
-        .event_id
-        .to_string();
-    let in_thread = |body: &str| {
-        json!({"msgtype": "m.text", "body": body,
-            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
-                             "m.in_reply_to": {"event_id": root}}})
-    };
+    let root = said_in(&lobby, "plans for friday").await;
+    let in_thread = |body: &str| in_thread(&root, body);
     mock.script(say("count me in"));
     lobby
         .send_raw("m.room.message", in_thread("vera, coming?"))
