@@ -95,13 +95,22 @@ async fn main() {
     std::fs::create_dir_all(&dir).expect("creating target/demo");
     println!("1. Synapse (pinned, from deploy/synapse) on loopback ...");
     let hs = Synapse::start(&dir.join("hs"), Limits::Relaxed);
-    for who in ["vera", "mira", "ann"] {
+    for who in ["vera", "mira", "ann", "bob"] {
         hs.register(who, &format!("{who}-pw"));
     }
     let url = hs.url();
-    println!("   {url}: @vera:localhost (live), @mira:localhost (mouth-only), @ann:localhost (their operator)");
+    println!("   {url}: @vera:localhost (live), @mira:localhost (mouth-only), @ann:localhost (their operator), @bob:localhost");
     let ann = user_client(&url, "ann", "ann-pw", &dir.join("ann")).await;
     let commons = public_room(&ann, "commons").await;
+    // Bob: a member of #commons, not her operator.
+    let bob = user_client(&url, "bob", "bob-pw", &dir.join("bob")).await;
+    let bob_commons = bob
+        .join_room_by_id_or_alias(
+            &matrix_sdk::ruma::OwnedRoomOrAliasId::try_from("#commons:localhost").expect("alias"),
+            &[],
+        )
+        .await
+        .expect("bob joins #commons");
 
     println!("2. the model ...");
     let claude = tests::claude_cli::executable();
@@ -195,15 +204,19 @@ async fn main() {
     let reply = answer_after(&ann, &dm, "@vera:localhost", said, &gw).await;
     println!("   vera (DM, encrypted): {reply}");
 
-    println!("5. in #commons the operator speaks to Vera, and says a line meant for no one ...");
+    println!(
+        "5. in #commons the operator speaks to Vera, and a member says a line meant for no one ..."
+    );
     let to_her = "Vera, what is on today's agenda?";
     let not_for_her = "lunch is at noon, everyone";
-    for line in [to_her, not_for_her] {
-        commons
-            .send(RoomMessageEventContent::text_plain(line))
+    for (who, room, line) in [
+        ("ann", &commons, to_her),
+        ("bob", &bob_commons, not_for_her),
+    ] {
+        room.send(RoomMessageEventContent::text_plain(line))
             .await
             .expect("send");
-        println!("   ann  (#commons): {line}");
+        println!("   {who}  (#commons): {line}");
     }
     let reply = answer_after(&ann, &commons, "@vera:localhost", to_her, &gw).await;
     println!("   vera (#commons): {reply}");
