@@ -102,7 +102,7 @@ pub enum SessionMode {
     Live,
 }
 
-/// Her live session (issue 4): the claude CLI and when turns run.
+/// Her live session: the claude CLI and when turns run.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SessionConfig {

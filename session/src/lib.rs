@@ -1,4 +1,4 @@
-//! The live Persona session (issue 4), its pure parts first:
+//! The live Persona session, its pure parts first:
 //!
 //! - [`admission`]: what starts a turn (addressed lines, an ambient interval, per-sender and
 //!   bot-exchange limits), decided over her pending mail with time passed in.

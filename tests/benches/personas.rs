@@ -1,4 +1,4 @@
-//! Memory per additional idle Persona in one gateway (issue 3's target: under 10 MiB, SDK and
+//! Memory per additional idle Persona in one gateway (the target: under 10 MiB, SDK and
 //! stores included): `cultnet-gateway run` with 1 and then with 6 Personas on a real Synapse,
 //! each idle 10 s after start; VmRSS from /proc. `cargo bench -p tests --bench personas`.
 

@@ -1,4 +1,4 @@
-//! The CultNet service of the running binary under load and under attack (issue 10), against a
+//! The CultNet service of the running binary under load and under attack, against a
 //! real Synapse, real UDP sockets and a real sled inbox:
 //! - 50 clients x 1,000 requests while a second process sprays random and malformed datagrams,
 //!   replayed Connect payloads and Connects from 500 source addresses: every request answered

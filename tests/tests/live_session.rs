@@ -422,8 +422,8 @@ async fn compaction_summarises_and_the_session_goes_on_shorter() {
 /// refused message stays in its conversation; the summary request that includes it is too
 /// long too, so the CLI summarizes the turns before it and keeps it verbatim after the
 /// summary, where the next turn sends it again. (So the gateway's retry of a refused batch
-/// after compacting can show her the batch twice; a retry that fits is rare, as it needs the
-/// batch to fit twice beside the summary. Noted in stop 30's note, not handled.)
+/// after compacting would show her the batch twice: it reads the compaction's preserved
+/// messages and retries with a note alone when the batch was kept.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_turn_is_kept_verbatim_past_the_compaction_after_it() {
     let mock = MockApi::start(MockConfig {
