@@ -425,12 +425,15 @@ impl TurnLoop {
             .budget_resumes_at
             .get_or_create(&label)
             .set(0);
-        // Her spend in the last 24 hours, from her history (every billed record is there).
+        // Her spend in the last 24 hours, from her history (every billed record is there),
+        // when she has a cap to hold it against (a new cap comes with a restart of her loop).
         let mut spend = session::budget::Spend::default();
-        let since = crate::clock::unix_ms() - session::budget::WINDOW_MS;
-        for r in read_history(&status_path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
-            if r.at_ms > since {
-                spend.add(r.at_ms, r.cost_usd);
+        if persona.budget.usd_per_day.is_some() {
+            let since = crate::clock::unix_ms() - session::budget::WINDOW_MS;
+            for r in read_history(&status_path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
+                if r.at_ms > since {
+                    spend.add(r.at_ms, r.cost_usd);
+                }
             }
         }
         // She has had turns before: her first batch in this run says she was restarted.
@@ -593,25 +596,22 @@ impl TurnLoop {
                         None => std::future::pending().await,
                     }
                 };
-                // Over her budget: her waiting mail is taken up when she resumes.
-                let resume = self.status.over_budget.map(|o| {
-                    let wait = (o.resumes_at_ms - crate::clock::unix_ms()).max(0) as u64;
-                    tokio::time::Instant::now() + Duration::from_millis(wait)
-                });
-                let resumed = async {
-                    match resume {
-                        Some(at) => tokio::time::sleep_until(at).await,
-                        None => std::future::pending().await,
-                    }
-                };
-                // Waiting mail that may start a turn later without new mail.
-                let recheck = self.recheck_at_ms.map(|at| {
+                // Waiting mail is looked at again when she resumes from her budget, or when it
+                // may start a turn without new mail (a sender's hour or the ambient interval).
+                let look_again = [
+                    self.status.over_budget.map(|o| o.resumes_at_ms),
+                    self.recheck_at_ms,
+                ]
+                .into_iter()
+                .flatten()
+                .min()
+                .map(|at| {
                     let wait = (at - crate::clock::unix_ms()).max(0) as u64;
-                    tokio::time::Instant::now() + Duration::from_millis(wait)
+                    tokio::time::sleep(Duration::from_millis(wait))
                 });
-                let rechecked = async {
-                    match recheck {
-                        Some(at) => tokio::time::sleep_until(at).await,
+                let looked_again = async {
+                    match look_again {
+                        Some(sleep) => sleep.await,
                         None => std::future::pending().await,
                     }
                 };
@@ -624,8 +624,7 @@ impl TurnLoop {
                         }
                         self.slot = None;
                     }
-                    _ = resumed => break false,
-                    _ = rechecked => break false,
+                    _ = looked_again => break false,
                     _ = self.signals.mail.notified() => break false,
                     _ = self.turn_requests.notified() => break true,
                     Some(c) = self.control_rx.recv() => self.apply_control(c).await,
@@ -829,15 +828,13 @@ impl TurnLoop {
             let at = batch.iter().position(|d| d.seq == seq)?;
             Some((lines[at], ambient))
         });
-        let mut admission = std::mem::take(&mut self.admission);
-        admission.started(
+        self.admission.started(
             &self.rules,
             &lines,
             hit.as_ref().map(|(l, _)| l),
             hit.is_some_and(|(_, ambient)| ambient),
             crate::clock::unix_ms(),
         );
-        self.admission = admission;
         self.keep_learned(ADMISSION, &self.admission);
     }
 
@@ -865,9 +862,6 @@ impl TurnLoop {
         stop: &watch::Receiver<bool>,
         forced: bool,
     ) -> Result<(), TurnError> {
-        if let Some(p) = &self.processes {
-            p.busy(&self.persona.id);
-        }
         let mut drain = Drain::new(forced);
         self.recheck_at_ms = None;
         loop {
@@ -902,7 +896,6 @@ impl TurnLoop {
                 self.shrink,
                 self.persona.session.max_batch,
             );
-            drop(lines);
             match step {
                 Step::Idle { recheck_at_ms } => {
                     if !page.deliveries.is_empty() {
@@ -1962,7 +1955,9 @@ impl TurnLoop {
 
     /// Appends `record` to her history file (a failure is logged: the turn is done anyway).
     fn append_to_history(&mut self, record: &TurnRecord) {
-        self.spend.add(record.at_ms, record.cost_usd);
+        if self.persona.budget.usd_per_day.is_some() {
+            self.spend.add(record.at_ms, record.cost_usd);
+        }
         if let Err(e) = append_history(
             &self.status_path.with_file_name(HISTORY_FILE),
             record,

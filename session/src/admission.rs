@@ -113,14 +113,10 @@ impl Admission {
     /// them leaves the hour.
     fn recent(&self, sender: &str, now_ms: i64) -> (u32, Option<i64>) {
         let times = self.starts.get(sender).map(Vec::as_slice).unwrap_or(&[]);
-        let within: Vec<i64> = times
-            .iter()
-            .copied()
-            .filter(|t| *t > now_ms - HOUR_MS)
-            .collect();
+        let within = times.iter().filter(|t| **t > now_ms - HOUR_MS);
         (
-            within.len() as u32,
-            within.iter().min().map(|t| t + HOUR_MS),
+            within.clone().count() as u32,
+            within.min().map(|t| t + HOUR_MS),
         )
     }
 

@@ -63,10 +63,11 @@ impl Spend {
 
     /// Whether she may spend at `now_ms` under a cap of `cap_usd` a day (`None`: no cap).
     pub fn allowance(&mut self, now_ms: i64, cap_usd: Option<f64>) -> Allowance {
+        // What left the window goes, cap or no cap: the record stays bounded by a day.
+        let spent = self.spent(now_ms);
         let Some(cap) = cap_usd else {
             return Allowance::Open;
         };
-        let spent = self.spent(now_ms);
         if spent < cap {
             return Allowance::Open;
         }
@@ -99,6 +100,9 @@ mod tests {
         let mut s = Spend::default();
         s.add(0, 1e9);
         assert_eq!(s.allowance(1, None), Allowance::Open);
+        // And what left the window is forgotten all the same.
+        assert_eq!(s.allowance(WINDOW_MS + 1, None), Allowance::Open);
+        assert!(s.entries.is_empty());
     }
 
     #[test]

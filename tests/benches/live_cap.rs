@@ -7,15 +7,11 @@
 //! cost and line -> reply latency of the turns after the first round.
 //! `cargo bench -p tests --bench live_cap`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
-use matrix_sdk::ruma::OwnedUserId;
-use tests::matrix::{has_joined, public_room, GatewayProcess, Scene};
-use tests::mock_api::{MockApi, MockConfig};
-use tests::procfs::children;
+use tests::matrix::Scene;
+use tests::procfs::Watch;
 use tests::synapse::Limits;
 
 const NAMES: [&str; 6] = ["vera", "mira", "nora", "olga", "pia", "ruth"];
@@ -35,46 +31,16 @@ struct Figures {
 async fn run(max_live: usize) -> Figures {
     let scene = Scene::new(&format!("bench-live-cap-{max_live}"), Limits::Relaxed).await;
     let ann = &scene.ann;
-    let lobby = public_room(ann, "cap-lobby").await;
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .expect("mock");
-    let config = tests::live::live_cast(
+    let (lobby, mock, gw) = tests::live::live_cast(
         &scene,
         &NAMES,
         "cap-lobby",
-        &mock,
         &format!("[sessions]\nmax_live = {max_live}\n"),
         "start = \"addressed\"",
     )
     .await;
-    let gw = GatewayProcess::start(&config);
-    for name in NAMES {
-        let user: OwnedUserId = format!("@{name}:localhost").try_into().expect("user id");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !has_joined(ann, &lobby, &user).await {
-            assert!(Instant::now() < deadline, "{name} did not join");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
     let pid = gw.pid();
-    let watching = Arc::new(AtomicBool::new(true));
-    let watcher = {
-        let watching = watching.clone();
-        std::thread::spawn(move || {
-            let (mut peak, mut rss) = (0usize, Vec::new());
-            while watching.load(Ordering::Relaxed) {
-                let now = children(pid);
-                peak = peak.max(now.len());
-                rss.extend(now.iter().map(|(_, kib)| *kib).filter(|kib| *kib > 0));
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            (peak, rss)
-        })
-    };
+    let watch = Watch::children_of(pid);
     let mut latencies = Vec::new();
     let mut from = 0;
     for round in 1..=ROUNDS {
@@ -105,8 +71,7 @@ async fn run(max_live: usize) -> Figures {
             }
         }
     }
-    watching.store(false, Ordering::Relaxed);
-    let (peak, rss) = watcher.join().expect("watcher");
+    let (peak, rss_mib) = watch.stop();
     let turns: Vec<f64> = mock.ledger()[from..]
         .iter()
         .filter(|e| e.status == 200 && !e.is_summary())
@@ -122,7 +87,7 @@ async fn run(max_live: usize) -> Figures {
     Figures {
         max_live,
         peak,
-        rss_mib: rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0,
+        rss_mib,
         evictions,
         cost_per_turn: turns.iter().sum::<f64>() / turns.len().max(1) as f64,
         p50_ms: at(0.5),

@@ -207,19 +207,27 @@ pub fn assert_history_is_the_bill(
     );
 }
 
-/// A gateway config for live Personas `names` (vera first: the [`Scene`]'s), each registered
-/// (but vera) with a doctrine of her own, all in `#ALIAS:localhost`, against `mock`, with
-/// `[persona.turns]` lines `turns` and top-level sections `head` (`[sessions]` ...).
+/// Live Personas `names` (vera first: the [`Scene`]'s), each registered (but vera) with a
+/// doctrine of her own, all in a new public room `#ALIAS:localhost` that ann makes, against the
+/// mock's deterministic responder (it answers every line addressed to her), with
+/// `[persona.turns]` lines `turns` and top-level sections `head` (`[sessions]` ...): the room,
+/// the mock, and the running gateway, once every one has joined.
 ///
 /// [`Scene`]: crate::matrix::Scene
 pub async fn live_cast(
     scene: &crate::matrix::Scene,
     names: &[&str],
     alias: &str,
-    mock: &MockApi,
     head: &str,
     turns: &str,
-) -> std::path::PathBuf {
+) -> (matrix_sdk::Room, MockApi, GatewayProcess) {
+    let room = crate::matrix::public_room(&scene.ann, alias).await;
+    let mock = MockApi::start(crate::mock_api::MockConfig {
+        responder: true,
+        ..crate::mock_api::MockConfig::default()
+    })
+    .await
+    .expect("the mock");
     let dir = &scene.dir;
     let key = dir.join("api.key");
     write_private(&key, "mock-key");
@@ -241,7 +249,7 @@ pub async fn live_cast(
         std::fs::write(&prompt, format!("You are {name}. ").repeat(2000)).expect("doctrine");
         let session = session_section(
             &prompt,
-            mock,
+            &mock,
             &format!("api_key_file = \"{}\"", key.display()),
             "",
         );
@@ -265,7 +273,11 @@ pub async fn live_cast(
         ),
     )
     .expect("config");
-    config
+    let gw = GatewayProcess::start(&config);
+    for name in names {
+        until_joined(&scene.ann, &room, &format!("@{name}:localhost"), &gw).await;
+    }
+    (room, mock, gw)
 }
 
 /// Vera live in a new public room `#ALIAS:localhost` that the scene's ann makes, with her
@@ -288,15 +300,45 @@ pub async fn vera_live_in(
         &format!("{session}{extra}"),
     );
     let gw = GatewayProcess::start(&config);
-    let vera: OwnedUserId = "@vera:localhost".try_into().expect("user id");
+    until_joined(&scene.ann, &room, "@vera:localhost", &gw).await;
+    (room, config, gw)
+}
+
+/// Waits (up to a minute) until `user` has joined `room` as `reader` sees it; panics with the
+/// gateway's log when she does not.
+pub async fn until_joined(
+    reader: &matrix_sdk::Client,
+    room: &matrix_sdk::Room,
+    user: &str,
+    gw: &GatewayProcess,
+) {
+    let user: OwnedUserId = user.try_into().expect("user id");
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !has_joined(&scene.ann, &room, &vera).await {
+    while !has_joined(reader, room, &user).await {
         assert!(
             Instant::now() < deadline,
-            "vera did not join #{alias}; log:\n{}",
+            "{user} did not join; log:\n{}",
             gw.log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    (room, config, gw)
+}
+
+/// A CultNet turn request for `persona` under request id `key`, and its receipt.
+pub async fn request_turn(
+    c: &mut gateway::client::Client,
+    persona: &str,
+    key: &str,
+    reason: Option<&str>,
+) -> wire::docs::TurnReceipt {
+    c.request(
+        wire::docs::ids::TURN_REQUEST,
+        key,
+        &wire::docs::TurnRequest {
+            persona: persona.to_owned(),
+            reason: reason.map(str::to_owned),
+        },
+    )
+    .await
+    .expect("a turn receipt")
 }

@@ -38,6 +38,41 @@ pub fn children(parent: u32) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// Watches a process's children from a thread of its own, every 100 ms, until stopped: the
+/// most seen at once and every child's resident set sampled (KiB).
+#[derive(Debug)]
+pub struct Watch {
+    on: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, Vec<u64>)>,
+}
+
+impl Watch {
+    /// Starts watching `parent`'s children.
+    pub fn children_of(parent: u32) -> Self {
+        let on = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let watching = on.clone();
+        let thread = std::thread::spawn(move || {
+            let (mut peak, mut rss) = (0usize, Vec::new());
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                let now = children(parent);
+                peak = peak.max(now.len());
+                rss.extend(now.iter().map(|(_, kib)| *kib).filter(|kib| *kib > 0));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            (peak, rss)
+        });
+        Self { on, thread }
+    }
+
+    /// Stops: the most children seen at once, and their mean resident set in MiB.
+    pub fn stop(self) -> (usize, f64) {
+        self.on.store(false, std::sync::atomic::Ordering::Relaxed);
+        let (peak, rss) = self.thread.join().unwrap_or_default();
+        let mean = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
+        (peak, mean)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,11 +84,15 @@ mod tests {
             .spawn()
             .expect("sleep");
         let me = std::process::id();
+        let watch = Watch::children_of(me);
+        std::thread::sleep(std::time::Duration::from_millis(250));
         let found = children(me);
         let _ = child.kill();
         let _ = child.wait();
         let mine = found.iter().find(|(pid, _)| *pid == child.id());
         assert!(mine.is_some_and(|(_, kib)| *kib > 0), "{found:?}");
+        let (peak, mib) = watch.stop();
+        assert!(peak >= 1 && mib > 0.0, "{peak} children, {mib} MiB");
         assert!(rss_kib(me) > 0);
         assert_eq!(rss_kib(u32::MAX), 0);
     }

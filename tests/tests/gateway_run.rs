@@ -675,7 +675,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     use gateway::client::{Client, ClientError};
     use wire::docs::{
         ids, AckReceipt, AckRequest, GatewayStatus, PendingPage, PendingRequest, SendReceipt,
-        SendRequest, Status, StatusRequest, TurnReceipt, TurnRequest,
+        SendRequest, Status, StatusRequest,
     };
 
     let scene = Scene::new("run-cultnet", Limits::Relaxed).await;
@@ -771,17 +771,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     assert_eq!(got, ["hello from vera's organ"]);
 
     // Her session is off: a turn request is refused with the reason; status shows her.
-    let turn: TurnReceipt = c
-        .request(
-            ids::TURN_REQUEST,
-            "t1",
-            &TurnRequest {
-                persona: "vera".into(),
-                reason: None,
-            },
-        )
-        .await
-        .unwrap();
+    let turn = tests::live::request_turn(&mut c, "vera", "t1", None).await;
     assert_eq!(turn.status, Status::Rejected);
     let status: GatewayStatus = c
         .request(ids::STATUS_REQUEST, "st", &StatusRequest::default())
@@ -861,7 +851,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
 async fn a_cultnet_turn_request_starts_her_turn_at_once() {
     use ed25519_dalek::SigningKey;
     use gateway::client::Client;
-    use wire::docs::{ids, PendingPage, PendingRequest, Status, TurnReceipt, TurnRequest};
+    use wire::docs::{ids, PendingPage, PendingRequest, Status};
 
     let scene = Scene::new("run-turn", Limits::Relaxed).await;
     let (url, ann, dir) = (scene.url.clone(), &scene.ann, scene.dir.clone());
@@ -918,17 +908,7 @@ async fn a_cultnet_turn_request_starts_her_turn_at_once() {
     assert!(mock.ledger().is_empty(), "a turn ran by itself");
     let room = lobby.room_id().to_string();
     mock.script(serde_json::json!({"say": [{"room": room, "text": "awake now"}]}));
-    let r: TurnReceipt = c
-        .request(
-            ids::TURN_REQUEST,
-            "t1",
-            &TurnRequest {
-                persona: "vera".into(),
-                reason: Some("heartbeat".into()),
-            },
-        )
-        .await
-        .unwrap();
+    let r = tests::live::request_turn(&mut c, "vera", "t1", Some("heartbeat")).await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     let got = wait_for_reply(ann, &lobby, "awake now", Duration::from_secs(60)).await;
     assert_eq!(got, ["awake now"], "log:\n{}", gw.log());

@@ -15,16 +15,17 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
-use matrix_sdk::ruma::OwnedUserId;
 use serde_json::json;
-use tests::live::{from_vera, live_section, vera_live_in, wait_for_reply, with_turns};
+use tests::live::{
+    from_vera, live_section, request_turn, until_joined, vera_live_in, wait_for_reply, with_turns,
+};
 use tests::matrix::{
-    add_metrics, has_joined, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
+    add_metrics, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
 };
 use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
-use tests::procfs::children;
+use tests::procfs::{children, Watch};
 use tests::synapse::Limits;
-use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
+use wire::docs::Status;
 
 /// Her turns since ledger entry `from`: the mock's answered requests that are not a
 /// compaction's summary.
@@ -43,25 +44,6 @@ fn shown(turns: &[LedgerEntry], line: &str) -> usize {
         .iter()
         .map(|e| e.last_user_text.matches(&needle).count())
         .sum()
-}
-
-/// Waits until `user` has joined `room` as `reader` sees it.
-async fn joined(
-    reader: &matrix_sdk::Client,
-    room: &matrix_sdk::Room,
-    user: &str,
-    gw: &GatewayProcess,
-) {
-    let user: OwnedUserId = user.try_into().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !has_joined(reader, room, &user).await {
-        assert!(
-            Instant::now() < deadline,
-            "{user} did not join; log:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// `name`, registered and joined to the room `alias`: that room as she sees it.
@@ -277,7 +259,7 @@ async fn unaddressed_lines_ride_with_her_next_addressed_turn_and_ambient_mail_ke
     )
     .unwrap();
     gw.reload();
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
+    until_joined(ann, &lobby, "@vera:localhost", &gw).await;
     let from = mock.ledger().len();
     for i in 0..24 {
         lobby.send(chat(&format!("chatter {i}"))).await.unwrap();
@@ -415,28 +397,16 @@ async fn a_burst_of_300_lines_from_three_people_reaches_her_once_each_in_few_tur
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_personas_naming_each_other_stop_within_their_bot_exchanges() {
     let scene = Scene::new("governed-bots", Limits::Relaxed).await;
-    let ann = &scene.ann;
-    let lobby = public_room(ann, "gx-lobby").await;
     // The responder answers every line addressed to her, quoting it: a reply to a line that
     // names both names both, so each answers the other.
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let config = tests::live::live_cast(
+    let (lobby, mock, gw) = tests::live::live_cast(
         &scene,
         &["vera", "mira"],
         "gx-lobby",
-        &mock,
         "",
         "start = \"addressed\"\nbot_exchanges = 2",
     )
     .await;
-    let gw = GatewayProcess::start(&config);
-    joined(ann, &lobby, "@vera:localhost", &gw).await;
-    joined(ann, &lobby, "@mira:localhost", &gw).await;
 
     for round in 0..2 {
         let from = mock.ledger().len();
@@ -483,17 +453,7 @@ async fn with_start_minds_only_a_cultnet_turn_request_starts_a_turn() {
     let mut c = Client::connect(gw.cultnet_addr(), "heart", &heart, Duration::from_secs(30))
         .await
         .unwrap();
-    let r: TurnReceipt = c
-        .request(
-            ids::TURN_REQUEST,
-            "beat-1",
-            &TurnRequest {
-                persona: "vera".into(),
-                reason: Some("heartbeat".into()),
-            },
-        )
-        .await
-        .unwrap();
+    let r = request_turn(&mut c, "vera", "beat-1", Some("heartbeat")).await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     wait_for_reply(
         ann,
@@ -514,42 +474,17 @@ async fn six_live_personas_with_two_live_processes_answer_every_batch() {
     const NAMES: [&str; 6] = ["vera", "mira", "nora", "olga", "pia", "ruth"];
     let scene = Scene::new("governed-live", Limits::Relaxed).await;
     let ann = &scene.ann;
-    let lobby = public_room(ann, "gl-lobby").await;
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let config = tests::live::live_cast(
+    let (lobby, mock, gw) = tests::live::live_cast(
         &scene,
         &NAMES,
         "gl-lobby",
-        &mock,
         "[sessions]\nmax_live = 2\n",
         "start = \"addressed\"",
     )
     .await;
-    let gw = GatewayProcess::start(&config);
-    for name in NAMES {
-        joined(ann, &lobby, &format!("@{name}:localhost"), &gw).await;
-    }
     // Watch the gateway's children the whole time: never more than two live processes.
     let pid = gw.pid();
-    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let watcher = {
-        let watching = watching.clone();
-        std::thread::spawn(move || {
-            let (mut most, mut rss) = (0usize, Vec::new());
-            while watching.load(std::sync::atomic::Ordering::Relaxed) {
-                let now = children(pid);
-                most = most.max(now.len());
-                rss.extend(now.iter().map(|(_, kib)| *kib).filter(|kib| *kib > 0));
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            (most, rss)
-        })
-    };
+    let watch = Watch::children_of(pid);
     let mut per_round = Vec::new();
     for round in 1..=2 {
         let from = mock.ledger().len();
@@ -583,8 +518,7 @@ async fn six_live_personas_with_two_live_processes_answer_every_batch() {
     // The last two answered are still live: their next turns keep their processes.
     until_quiet(&mock, Duration::from_secs(2)).await;
     let live: Vec<u32> = children(pid).iter().map(|(p, _)| *p).collect();
-    watching.store(false, std::sync::atomic::Ordering::Relaxed);
-    let (most, rss) = watcher.join().unwrap();
+    let (most, rss_mib) = watch.stop();
     let evictions = gw
         .log()
         .matches("to make room for another Persona's")
@@ -599,7 +533,6 @@ async fn six_live_personas_with_two_live_processes_answer_every_batch() {
             .sum::<u64>()
             / turns.len().max(1) as u64
     };
-    let rss_mib = rss.iter().sum::<u64>() as f64 / rss.len().max(1) as f64 / 1024.0;
     println!(
         "6 live Personas, max_live 2: at most {most} live processes, {evictions} evictions, \
          {:.0} MiB RSS per live process (mean of samples); round 1 (new sessions) ${:.5}/turn, \

@@ -23,7 +23,7 @@ use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use serde_json::json;
 use session::render::NOTES_LABEL;
 use tests::live::{from_vera, live_section, wait_for_reply};
-use tests::matrix::{has_joined, public_room, write_config, GatewayProcess, Scene};
+use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
 use tests::mock_api::{Fault, LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
 use wire::docs::{
@@ -833,17 +833,8 @@ async fn vera_in(
         &session,
     );
     let gw = GatewayProcess::start(&config);
-    let vera = matrix_sdk::ruma::user_id!("@vera:localhost");
-    let deadline = Instant::now() + Duration::from_secs(60);
     for (_, room) in rooms {
-        while !has_joined(&scene.ann, room, vera).await {
-            assert!(
-                Instant::now() < deadline,
-                "vera did not join:\n{}",
-                gw.log()
-            );
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
+        tests::live::until_joined(&scene.ann, room, "@vera:localhost", &gw).await;
     }
     (config, gw)
 }

@@ -12,7 +12,7 @@ use tests::live::{live_section, public_hex, wait_for_reply};
 use tests::matrix::{add_metrics, public_room, scrape, value, write_config, GatewayProcess, Scene};
 use tests::mock_api::{MockApi, MockConfig};
 use tests::synapse::Limits;
-use wire::docs::{ids, Status, TurnReceipt, TurnRequest};
+use wire::docs::{ids, Status};
 
 /// `GET path` on `addr`: status code and body.
 fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
@@ -138,17 +138,7 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
     .unwrap();
     let room = lobby.room_id().to_string();
     mock.script(serde_json::json!({"say": [{"room": room, "text": "here"}]}));
-    let r: TurnReceipt = c
-        .request(
-            ids::TURN_REQUEST,
-            "t1",
-            &TurnRequest {
-                persona: "vera".into(),
-                reason: None,
-            },
-        )
-        .await
-        .unwrap();
+    let r = tests::live::request_turn(&mut c, "vera", "t1", None).await;
     assert_eq!(r.status, Status::Ok);
     wait_for_reply(ann, &lobby, "here", Duration::from_secs(60)).await;
     let deadline = Instant::now() + Duration::from_secs(30);
