@@ -81,7 +81,12 @@ fn main() {
         let server = quic::server("127.0.0.1:0".parse().expect("addr"), identity).expect("quic");
         let quic_addr = server.local_addr().expect("quic address");
         let (remote_tx, remote_rx) = tokio::sync::mpsc::channel(1024);
-        tokio::spawn(quic::accept(server, remote_tx, stop.clone()));
+        tokio::spawn(quic::accept(
+            server,
+            remote_tx,
+            gateway::metrics::unserved(),
+            stop.clone(),
+        ));
         tokio::spawn(serve_with(service, endpoint, Some(remote_rx), stop));
         let mut c = Client::connect(addr, "organ", &key, Duration::from_secs(10))
             .await

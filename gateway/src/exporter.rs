@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use crate::endpoint::EndpointHandle;
 use crate::inbox::Inbox;
-use crate::metrics::{registry, PersonaSnapshot, Snapshot};
+use crate::metrics::{registry, Metrics, PersonaSnapshot, Snapshot};
 use crate::service::Port;
 
 /// Reads the state of the configured Personas `ids` (those not in `ports` have not
@@ -88,12 +88,13 @@ pub async fn serve(
     ids: Vec<String>,
     ports: Ports,
     endpoint: EndpointHandle,
+    metrics: &Metrics,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(bind).await?;
     let addr = listener.local_addr()?;
     let state = Arc::new(Mutex::new(Snapshot::default()));
-    let registry = Arc::new(registry(state.clone()));
+    let registry = Arc::new(registry(state.clone(), metrics));
     tokio::spawn(async move {
         loop {
             let (mut stream, _) = tokio::select! {

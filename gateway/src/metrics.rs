@@ -2,13 +2,15 @@
 //! the gateway's state at each scrape and serves it is `gateway::exporter`, above it.
 //!
 //! Two kinds: events counted where they happen (turns, tokens, cost, refresh decisions, sends,
-//! Connects) in the process-wide [`global`] families, and state read at each scrape (pending
+//! Connects) in one [`Metrics`] that the binary makes and hands to each part that records
+//! (the turn loops, the mouths, the live-process cap, the CultNet service, the QUIC adapter)
+//! and to the exporter, and state read at each scrape (pending
 //! mail, sync progress and errors, CultNet peers and datagrams) into a [`Snapshot`] that the
 //! registry's collector encodes. Names start with `cultnet_gateway_`; the Grafana dashboard in
 //! `deploy/grafana-dashboard.json` uses them.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -97,8 +99,15 @@ fn seconds_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
-    fn new() -> Self {
+    /// Every family, empty (the limit series at zero).
+    pub fn new() -> Self {
         let m = Self {
             turns: Family::default(),
             turn_seconds: Family::new_with_constructor(seconds_histogram),
@@ -232,11 +241,10 @@ impl Metrics {
     }
 }
 
-static GLOBAL: LazyLock<Arc<Metrics>> = LazyLock::new(|| Arc::new(Metrics::new()));
-
-/// The process's event metrics.
-pub fn global() -> &'static Metrics {
-    &GLOBAL
+/// Event metrics for a part built without the gateway's (a test, a tool): recorded, never
+/// served.
+pub fn unserved() -> Arc<Metrics> {
+    Arc::new(Metrics::new())
 }
 
 /// State read at a scrape.
@@ -396,8 +404,7 @@ impl Collector for StateCollector {
 }
 
 /// The registry: the [`global`] event metrics and the state collector.
-pub(crate) fn registry(state: Arc<Mutex<Snapshot>>) -> Registry {
-    let m = &*GLOBAL;
+pub(crate) fn registry(state: Arc<Mutex<Snapshot>>, m: &Metrics) -> Registry {
     let mut r = Registry::with_prefix("cultnet_gateway");
     r.register(
         "turns",
@@ -509,11 +516,12 @@ mod tests {
             datagrams_out: 12,
             dropped: vec![("malformed", 2)],
         }));
-        global().refused("replay");
-        global().send("mira", wire::docs::Status::Ok, 0.02);
-        global().limited("rate");
-        global().cut_off("unread");
-        let r = registry(state);
+        let m = Metrics::new();
+        m.refused("replay");
+        m.send("mira", wire::docs::Status::Ok, 0.02);
+        m.limited("rate");
+        m.cut_off("unread");
+        let r = registry(state, &m);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
         for want in [

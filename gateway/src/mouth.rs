@@ -197,6 +197,7 @@ pub struct Mouth {
     rooms: Arc<Mutex<HashMap<String, OwnedRoomId>>>,
     retry_floor: Duration,
     retries: Arc<std::sync::atomic::AtomicU64>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl std::fmt::Debug for Mouth {
@@ -222,7 +223,14 @@ impl Mouth {
             rooms: Arc::new(Mutex::new(rooms)),
             retry_floor: Duration::from_millis(500),
             retries: Arc::default(),
+            metrics: crate::metrics::unserved(),
         }
+    }
+
+    /// Counts her sends in `metrics` (the gateway's, which its exporter serves).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The room id a name resolved to (a configured alias, or an alias she sent to), from
@@ -249,7 +257,7 @@ impl Mouth {
     ) -> SendReceipt {
         let started = std::time::Instant::now();
         let receipt = self.send_inner(req, mentions).await;
-        crate::metrics::global().send(
+        self.metrics.send(
             &self.persona,
             receipt.status,
             started.elapsed().as_secs_f64(),

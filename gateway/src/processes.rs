@@ -56,6 +56,7 @@ pub struct Processes {
     /// A slot was freed.
     freed: Notify,
     evictions: std::sync::atomic::AtomicU64,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// A Persona's held slot ([`Processes::acquire`]): her process may live while she holds it;
@@ -67,13 +68,14 @@ pub struct LiveSlot {
 }
 
 impl Processes {
-    /// At most `max` live processes (at least one).
-    pub fn new(max: usize) -> Arc<Self> {
+    /// At most `max` live processes (at least one); evictions are counted in `metrics`.
+    pub fn new(max: usize, metrics: Arc<crate::metrics::Metrics>) -> Arc<Self> {
         Arc::new(Self {
             max: max.max(1),
             slots: Mutex::new(Slots::default()),
             freed: Notify::new(),
             evictions: std::sync::atomic::AtomicU64::new(0),
+            metrics,
         })
     }
 
@@ -155,7 +157,7 @@ impl Processes {
         if asked {
             self.evictions
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            crate::metrics::global().process_evictions.inc();
+            self.metrics.process_evictions.inc();
         }
         self.freed.notify_waiters();
     }
@@ -213,7 +215,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_newcomer_waits_for_the_idle_one_to_stop() {
-        let p = Processes::new(1);
+        let p = Processes::new(1, crate::metrics::unserved());
         let a_evict = Arc::new(Notify::new());
         let a = p.acquire("a", a_evict.clone()).await;
         assert_eq!(p.live(), 1);

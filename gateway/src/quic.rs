@@ -219,6 +219,7 @@ pub fn client_config(pinned: &CertificateDer<'static>) -> Result<quinn::ClientCo
 pub async fn accept(
     endpoint: quinn::Endpoint,
     remote: mpsc::Sender<Remote>,
+    metrics: Arc<crate::metrics::Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
     let unauthenticated = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
@@ -238,7 +239,7 @@ pub async fn accept(
             unauthenticated.clone().try_acquire_owned(),
             connections.clone().try_acquire_owned(),
         ) else {
-            crate::metrics::global().refused("quic_busy");
+            metrics.refused("quic_busy");
             incoming.refuse();
             continue;
         };

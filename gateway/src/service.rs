@@ -280,6 +280,8 @@ pub struct Service {
     nonces: HashMap<(String, String), (u64, SocketAddr)>,
     stats: ServiceStats,
     limits: ClientLimits,
+    /// Where Connects, peers and limits are counted.
+    metrics: Arc<crate::metrics::Metrics>,
     refusals: RefusalLog,
     /// Acks applied but not yet flushed.
     unflushed: bool,
@@ -314,6 +316,7 @@ impl Service {
             nonces: HashMap::new(),
             stats: ServiceStats::default(),
             limits: ClientLimits::default(),
+            metrics: crate::metrics::unserved(),
             refusals: RefusalLog::default(),
             unflushed: false,
             tasks: None,
@@ -323,6 +326,13 @@ impl Service {
     /// The same service with these per-client limits.
     pub fn with_limits(mut self, limits: ClientLimits) -> Self {
         self.limits = limits;
+        self
+    }
+
+    /// Counts Connects, peers and limits in `metrics` (the gateway's, which its exporter
+    /// serves).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
         self
     }
 
@@ -344,13 +354,13 @@ impl Service {
     /// Counts a request refused for its client's `limit`, here and in the metrics.
     fn count_limited(&mut self, limit: &str) {
         self.stats.limited += 1;
-        crate::metrics::global().limited(limit);
+        self.metrics.limited(limit);
     }
 
     /// Counts a client cut off for its `limit`, here and in the metrics.
     fn count_cut_off(&mut self, limit: &str) {
         self.stats.cut_off += 1;
-        crate::metrics::global().cut_off(limit);
+        self.metrics.cut_off(limit);
     }
 
     /// Counters.
@@ -376,14 +386,14 @@ impl Service {
                         agent: agent.clone(),
                     },
                 );
-                let m = crate::metrics::global();
+                let m = &self.metrics;
                 m.connects_accepted.inc();
                 m.peers.set(self.peers.len() as i64);
                 tracing::info!(%peer, %agent, "CultNet client connected");
             }
             Err(why) => {
                 self.stats.refused += 1;
-                crate::metrics::global().refused(why.reason());
+                self.metrics.refused(why.reason());
                 if let Some(held_back) = self.refusals.admit(peer.ip(), std::time::Instant::now()) {
                     tracing::warn!(%peer, held_back, "CultNet connect refused: {why}");
                 }
@@ -445,7 +455,7 @@ impl Service {
     pub fn forget(&mut self, peer: SocketAddr) {
         self.greeted.remove(&peer);
         if let Some(Peer { agent, .. }) = self.peers.remove(&peer) {
-            crate::metrics::global().peers.set(self.peers.len() as i64);
+            self.metrics.peers.set(self.peers.len() as i64);
             tracing::info!(%peer, %agent, "CultNet client gone");
         }
     }

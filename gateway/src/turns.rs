@@ -7,17 +7,15 @@
 //!   after a crash the same batch is retried, so its says keep their request ids
 //!   (`session::render::say_request_id`) and the mouth sends each once. The batch is acked
 //!   only after every say has a receipt.
+//! - How one turn runs once its batch is chosen (the policy's fresh start or compaction, the
+//!   text sent, a dead process replaced up to [`ATTEMPTS`] times, a `[retry]` note instead of a
+//!   batch her transcript holds, a refusal as too long, an API error) is decided by
+//!   `session::attempt`; which batch is decided by `session::turn`. This module performs their
+//!   actions: it spawns and resumes her process, composes texts, compacts, sends, commits.
 //! - The session id is stored after its first turn; a restarted gateway resumes it (with the
-//!   current system prompt when the file changed). A resume the CLI cannot do starts fresh.
-//! - A crashed or hung CLI is respawned (resumed) and the batch retried, up to
-//!   [`ATTEMPTS`] times per round; then the round fails and is retried later with backoff.
-//!   A turn the model API failed on ended with a result, so its text is in her session's
-//!   transcript: its retry in that session (whichever process, after a restart too) is a
-//!   `[retry]` note alone, not the batch again. So is the retry of a turn her process died in,
-//!   when the transcript it resumes holds the batch (`driver::transcript_holds`).
+//!   current system prompt when the file changed).
 //! - A reply naming a room that is not hers, or no structured reply, sends nothing; the next
-//!   batch carries a correction note. A prompt-too-long or blocking-limit refusal starts a
-//!   fresh session (generation + 1) and retries the batch there.
+//!   batch carries a correction note.
 //! - The refresh policy (`session::policy::decide`) runs before each turn and on the timer it
 //!   asks for while idle: a compaction runs the CLI's `/compact` (falling back to a fresh
 //!   start when it does not compact); a fresh start gives the new session the last lines of her
@@ -41,9 +39,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use session::admission::{Admission, Line, Rules};
+use session::attempt::{Action, Attempt, CompactWhy, Event, Failure, Ran, Restarted, Start, Text};
 use session::cost::{Prices, Usage};
 use session::driver::{Cli, CliConfig, DriverError, Turn};
-use session::policy::{self, Decision, Outcome, PolicyConfig, Process, Telemetry};
+use session::policy::{self, Decision, PolicyConfig, Process, Telemetry};
 use session::proto::CompactMetadata;
 use session::render::{self, Note, ReplySchema, Seen};
 use session::turn::{Drain, Look, Shrink, Step};
@@ -55,11 +54,12 @@ use crate::config::Persona;
 use crate::ear::Signals;
 use crate::inbox::{Inbox, InboxError, TurnCommit};
 use crate::matrix::Backoff;
+use crate::metrics::Metrics;
 use crate::mouth::Mouth;
 use crate::processes::{LiveSlot, Processes};
 
-/// CLI attempts per batch in one round.
-pub const ATTEMPTS: u32 = 3;
+/// CLI runs per text in one turn (a process that dies, a resume that fails, is retried).
+pub use session::attempt::ATTEMPTS;
 /// Turns kept in the status file.
 pub const TELEMETRY_KEPT: usize = 50;
 
@@ -274,8 +274,8 @@ pub struct TurnLoop {
     note: Option<String>,
     /// Lines in her history file (counted on first use).
     history_lines: Option<usize>,
-    /// What was restarted, when her next batch must say so (the gateway, her process).
-    restarted: Option<&'static str>,
+    /// The gateway was restarted since her last turn: her next batch says so.
+    restarted: bool,
     prompt_hash: String,
     status_path: PathBuf,
     status: StatusFile,
@@ -310,6 +310,8 @@ pub struct TurnLoop {
     slot: Option<LiveSlot>,
     /// She is asked to stop her idle process to make room for another Persona's.
     evict: Arc<Notify>,
+    /// Where her turns, tokens, cost, decisions and budget are counted.
+    metrics: Arc<Metrics>,
 }
 
 /// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
@@ -412,19 +414,6 @@ impl TurnLoop {
             last_error: None,
             over_budget: None,
         };
-        // Her budget's metrics start from "within" (a reload restarts her turn loop); her
-        // first check publishes what holds.
-        let label = crate::metrics::PersonaLabel {
-            persona: persona.id.clone(),
-        };
-        crate::metrics::global()
-            .over_budget
-            .get_or_create(&label)
-            .set(0);
-        crate::metrics::global()
-            .budget_resumes_at
-            .get_or_create(&label)
-            .set(0);
         // Her spend in the last 24 hours, from her history (every billed record is there),
         // when she has a cap to hold it against (a new cap comes with a restart of her loop).
         let mut spend = session::budget::Spend::default();
@@ -437,7 +426,7 @@ impl TurnLoop {
             }
         }
         // She has had turns before: her first batch in this run says she was restarted.
-        let restarted = (status.turns_total > 0).then_some("the gateway");
+        let restarted = status.turns_total > 0;
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
         let prompt_tokens = std::fs::metadata(&base.system_prompt_file).map_or(0, |m| m.len() / 4);
         // Her gaps and compaction summaries, learned in earlier runs.
@@ -486,6 +475,7 @@ impl TurnLoop {
             processes: None,
             slot: None,
             evict: Arc::new(Notify::new()),
+            metrics: crate::metrics::unserved(),
             billed_so_far,
             prompt_hash: hash_file(&base.system_prompt_file),
             status_path,
@@ -513,6 +503,13 @@ impl TurnLoop {
         self
     }
 
+    /// Counts her turns, tokens, cost, refresh decisions and budget in `metrics` (the
+    /// gateway's, which its exporter serves).
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     /// Takes part in the gateway-wide cap on live processes.
     pub fn with_processes(mut self, processes: Arc<Processes>) -> Self {
         self.processes = Some(processes);
@@ -521,6 +518,13 @@ impl TurnLoop {
 
     /// Runs until `stop` turns true; the CLI is shut down on the way out.
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        // Her budget's metrics start from "within" (a reload restarts her turn loop); her
+        // first check publishes what holds.
+        let label = crate::metrics::PersonaLabel {
+            persona: self.persona.id.clone(),
+        };
+        self.metrics.over_budget.get_or_create(&label).set(0);
+        self.metrics.budget_resumes_at.get_or_create(&label).set(0);
         let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
         let grace = Duration::from_secs(self.persona.session.shutdown_grace_secs);
         let stopping = stop.clone();
@@ -554,7 +558,7 @@ impl TurnLoop {
                     tracing::warn!(persona = %self.persona.id, error = %e, ?wait, "turn round failed; retrying");
                     let credential =
                         matches!(e, TurnError::Unauthorized | TurnError::Credential(_));
-                    crate::metrics::global()
+                    self.metrics
                         .turns
                         .get_or_create(&crate::metrics::OutcomeLabels {
                             persona: self.persona.id.clone(),
@@ -669,7 +673,7 @@ impl TurnLoop {
             let label = crate::metrics::PersonaLabel {
                 persona: self.persona.id.clone(),
             };
-            let m = crate::metrics::global();
+            let m = self.metrics.clone();
             m.over_budget
                 .get_or_create(&label)
                 .set(i64::from(over.is_some()));
@@ -730,7 +734,8 @@ impl TurnLoop {
         let now = Instant::now();
         let decision = policy::decide(&self.telemetry, now, &self.policy);
         tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.telemetry, "idle decision");
-        crate::metrics::global().decision(&self.persona.id, decision_name(&decision));
+        self.metrics
+            .decision(&self.persona.id, decision_name(&decision));
         match decision {
             Decision::KeepWarm => {
                 let Some(sid) = self.status.session_id.clone() else {
@@ -971,11 +976,8 @@ impl TurnLoop {
                         .unwrap_or_default())
                 } else {
                     let before = self.telemetry.prefix_tokens;
-                    if let Err(e) = self.checkpoint().await {
-                        tracing::warn!(persona = %self.persona.id, error = %e, "checkpoint turn failed; compacting anyway");
-                    }
-                    match self.compact("operator").await {
-                        Ok(Some(_)) => {
+                    match self.compact_on_request().await {
+                        Ok(true) => {
                             tracing::info!(
                                 before,
                                 after = self.telemetry.prefix_tokens,
@@ -983,7 +985,7 @@ impl TurnLoop {
                             );
                             Ok(())
                         }
-                        Ok(None) => {
+                        Ok(false) => {
                             Err("the CLI did not compact; she starts fresh instead".to_owned())
                         }
                         Err(e) => Err(e.to_string()),
@@ -1204,13 +1206,13 @@ impl TurnLoop {
         }
     }
 
-    /// Compacts her conversation with the CLI's `/compact` and returns its boundary; when the
-    /// CLI does not compact (an error, no boundary), starts fresh instead and returns `None`.
+    /// Compacts her conversation with the CLI's `/compact` and returns its boundary, `None`
+    /// when the CLI did not compact (an error, no boundary): the caller starts fresh then.
     /// The summary is her memory of the lines she saw, so they are not sent again as context:
     /// with a large `context_bytes` that would write back much of what the compaction took out
     /// (the session benchmark's long conversation compacted five times instead of three and
     /// cost 1.12x resume-per-turn).
-    async fn compact(&mut self, why: &str) -> Result<Option<CompactMetadata>, TurnError> {
+    async fn compact(&mut self, why: &str) -> Option<CompactMetadata> {
         let started = Instant::now();
         // A failed turn's text is summarized with the rest: its retry sends the batch again.
         self.set_failed(None);
@@ -1252,7 +1254,7 @@ impl TurnLoop {
                 );
                 self.status.compactions += 1;
                 self.keep_learned(SUMMARIES, &self.telemetry.summaries);
-                return Ok(Some(m));
+                Some(m)
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
@@ -1265,61 +1267,46 @@ impl TurnLoop {
                         &format!("compaction failed ({why}); she starts fresh"),
                     );
                 }
-                self.fresh_start(why)?;
+                None
             }
             Err(e) => {
                 tracing::warn!(persona = %self.persona.id, why, error = %e, "compaction failed; starting fresh instead");
                 self.cli = None;
-                self.fresh_start(why)?;
+                None
             }
         }
-        Ok(None)
     }
 
-    async fn run_cli(&mut self, text: &str) -> Result<Turn, TurnError> {
-        let mut last = None;
-        let mut respawned = false;
-        for attempt in 1..=ATTEMPTS {
-            let resumed = self
-                .inbox
-                .session_value(&self.persona.id, "session_id")?
-                .is_some();
-            // After a crash her process is new: the retried batch says so, and is not sent
-            // again when the crashed process had written it into her transcript already.
-            let text = if !respawned {
-                text.to_owned()
-            } else if self.held_by_session(text) {
-                tracing::info!(persona = %self.persona.id, "her session's transcript holds this batch already; retrying without it");
-                let restart = self.restart_note("your claude process");
-                self.retry_text(
-                    Some(restart),
-                    "your claude process stopped before you answered the batch above",
-                )
-            } else {
-                render::with_note(text, &self.restart_note("your claude process"))
-            };
-            let result = match self.ensure_cli().await {
-                Ok(cli) => cli.turn(&text).await,
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(t) if resumed && t.result.is_error && !t.result.errors.is_empty() => {
-                    // e.g. the recorded session no longer exists: start over.
-                    tracing::warn!(persona = %self.persona.id, errors = ?t.result.errors, "resume failed");
-                    self.fresh_start("resume failed")?;
+    /// Runs `text` in her process (spawned, resuming her session, if none lives): the turn,
+    /// or the event that tells her attempt the process died (its error kept in `died`).
+    async fn run_text(
+        &mut self,
+        text: &str,
+        died: &mut Option<DriverError>,
+    ) -> (Option<Turn>, Event) {
+        let result = match self.ensure_cli().await {
+            Ok(cli) => cli.turn(text).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(t) => {
+                let ran = Ran {
+                    outcome: t.result.outcome(),
+                    errors: t.result.is_error && !t.result.errors.is_empty(),
+                    status: t.result.api_error_status,
+                };
+                if ran.errors {
+                    tracing::warn!(persona = %self.persona.id, errors = ?t.result.errors, "the turn ended in errors");
                 }
-                Ok(t) => return Ok(t),
-                Err(e) => {
-                    tracing::warn!(persona = %self.persona.id, attempt, error = %e, "claude CLI failed; respawning");
-                    self.cli = None;
-                    respawned = true;
-                    last = Some(e);
-                }
+                (Some(t), Event::Ran(ran))
+            }
+            Err(e) => {
+                tracing::warn!(persona = %self.persona.id, error = %e, "claude CLI failed");
+                self.cli = None;
+                *died = Some(e);
+                (None, Event::Died)
             }
         }
-        Err(TurnError::Cli(last.unwrap_or_else(|| {
-            DriverError::Exited("resume kept failing".into())
-        })))
     }
 
     /// Whether her stored session's transcript already holds the batch `text` (its header
@@ -1344,28 +1331,35 @@ impl TurnLoop {
         render::render(&[], &mut self.seen, &notes)
     }
 
-    /// Before a planned compaction, with `checkpoint_before_compact`: one turn that asks her to
-    /// put what she must keep into her reply's extension fields, which go to the outbox; her
-    /// says in it are not sent. A failed checkpoint does not stop the compaction.
-    async fn checkpoint(&mut self) -> Result<(), TurnError> {
-        if !self.persona.session.checkpoint_before_compact || self.status.session_id.is_none() {
-            return Ok(());
-        }
-        let id = self.persona.id.clone();
-        let turn_id = format!(
-            "checkpoint:{id}:{}:{}",
-            self.status.generation,
-            self.status.compactions + 1
-        );
+    /// The text of a checkpoint turn (before a planned compaction, with
+    /// `checkpoint_before_compact`): it asks her to put what she must keep into her reply's
+    /// extension fields, which go to the outbox; her says in it are not sent.
+    fn checkpoint_text(&mut self) -> String {
         let note = Note::new(
             "checkpoint",
             "your conversation is about to be compacted: only a summary of it will remain. Put \
              what you must keep into your reply's fields now. Say nothing: says in this reply \
              are not sent.",
         );
-        let text = render::render(&[], &mut self.seen, &[note]);
-        let started = Instant::now();
-        let turn = self.run_cli(&text).await?;
+        render::render(&[], &mut self.seen, &[note])
+    }
+
+    /// Records the checkpoint turn and commits her reply's fields if she `answered`.
+    fn keep_checkpoint(
+        &mut self,
+        turn: Option<&Turn>,
+        answered: bool,
+        started: Instant,
+    ) -> Result<(), TurnError> {
+        let Some(turn) = turn else {
+            return Ok(());
+        };
+        let id = self.persona.id.clone();
+        let turn_id = format!(
+            "checkpoint:{id}:{}:{}",
+            self.status.generation,
+            self.status.compactions + 1
+        );
         let billed = self
             .billed(&turn.result)
             .unwrap_or_else(|| turn.result.usage.usage());
@@ -1376,7 +1370,7 @@ impl TurnLoop {
             &format!("{:?}", turn.result.outcome()),
         );
         match self.schema.check(turn.result.structured_output.as_ref()) {
-            Ok(reply) if turn.result.outcome() == Outcome::Ok => {
+            Ok(reply) if answered => {
                 tracing::info!(%turn_id, fields = reply.extensions.len(), unsent_says = reply.say.len(), "checkpoint turn");
                 self.inbox.commit_turn(
                     &id,
@@ -1396,14 +1390,81 @@ impl TurnLoop {
         Ok(())
     }
 
-    /// Whether a turn was refused for a full context.
-    fn too_long(turn: &Result<Turn, TurnError>) -> bool {
-        matches!(turn, Ok(t) if matches!(t.result.outcome(), Outcome::PromptTooLong | Outcome::BlockingLimit))
+    /// Her operator's compaction, performed as her attempt decides it ([`Attempt::compaction`]):
+    /// a checkpoint turn first when configured; a failed compaction is a fresh start. Whether
+    /// the CLI compacted.
+    async fn compact_on_request(&mut self) -> Result<bool, TurnError> {
+        let (mut attempt, mut action) =
+            Attempt::compaction(self.persona.session.checkpoint_before_compact);
+        let mut text = String::new();
+        let mut turn = None;
+        let mut died = None;
+        let started = Instant::now();
+        loop {
+            let event = match action {
+                Action::Compacted { compacted } => return Ok(compacted),
+                Action::Run(t) => {
+                    let sent = self.text_for(t, &[], &mut text);
+                    let (t, event) = self.run_text(&sent, &mut died).await;
+                    turn = t;
+                    event
+                }
+                Action::KeepCheckpoint { answered } => {
+                    if let Err(e) = self.keep_checkpoint(turn.as_ref(), answered, started) {
+                        tracing::warn!(persona = %self.persona.id, error = %e, "checkpoint turn failed; compacting anyway");
+                    }
+                    Event::Done
+                }
+                Action::Compact(why) => match self.compact(&why.describe()).await {
+                    Some(_) => Event::Compacted {
+                        kept_refused: false,
+                    },
+                    None => Event::CompactFailed,
+                },
+                Action::FreshStart(why) => {
+                    self.fresh_start(&why.describe())?;
+                    Event::Done
+                }
+                Action::CheckTranscript => Event::Held(self.held_by_session(&text)),
+                other => {
+                    tracing::error!(?other, "an action an operator's compaction does not take");
+                    return Ok(false);
+                }
+            };
+            action = attempt.on(event);
+        }
+    }
+
+    /// The text `t` names: the batch as composed, a retry note, the last text again, the
+    /// checkpoint note. `last` is the text of the current run (the composed batch, a retry
+    /// note, the checkpoint note), which a text sent `Again` repeats.
+    fn text_for(&mut self, t: Text, batch: &[Delivery], last: &mut String) -> String {
+        match t {
+            Text::Composed => last.clone(),
+            Text::Retry { why, restart } => {
+                // The batch is in her transcript: it counts as shown.
+                render::render(batch, &mut self.seen, &[]);
+                let restart = restart.map(|r| self.restart_note(r));
+                tracing::info!(why = %why.describe(), "retrying without the batch: her session holds it");
+                *last = self.retry_text(restart, &why.describe());
+                last.clone()
+            }
+            Text::Again { restart: None } => last.clone(),
+            Text::Again { restart: Some(r) } => render::with_note(last, &self.restart_note(r)),
+            Text::Checkpoint => {
+                *last = self.checkpoint_text();
+                last.clone()
+            }
+        }
     }
 
     /// The note that tells her she was restarted: what, how long since her last turn, and
     /// whether her session was resumed.
-    fn restart_note(&self, what: &str) -> Note {
+    fn restart_note(&self, what: Restarted) -> Note {
+        let what = match what {
+            Restarted::Gateway => "the gateway",
+            Restarted::Process => "your claude process",
+        };
         let last = self
             .inbox
             .session_value(&self.persona.id, "last_turn_ms")
@@ -1429,8 +1490,8 @@ impl TurnLoop {
     /// and for a new session what it is given to start from.
     fn compose(&mut self, batch: &[Delivery], stored: &[crate::inbox::Note]) -> String {
         let mut notes = Vec::new();
-        if let Some(what) = self.restarted {
-            notes.push(self.restart_note(what));
+        if self.restarted {
+            notes.push(self.restart_note(Restarted::Gateway));
         }
         if let Some(c) = &self.note {
             notes.push(Note::new("correction", c.clone()));
@@ -1499,169 +1560,181 @@ impl TurnLoop {
             self.inbox
                 .set_session_value(&id, "inflight_notes", Some(&through.to_string()))?;
         }
-        if let Some(output) = self.stored_reply(&turn_id) {
-            // She answered this batch and a say failed (or the gateway stopped between
-            // says): the same reply is sent, each say at most once; she is not asked again.
-            tracing::info!("sending her stored reply to this batch");
-            let started = Instant::now();
-            let lines = self.room_lines();
-            self.deliver(&turn_id, batch, &stored, Some(&output), &lines)
-                .await?;
-            // Counted as a turn that went out, after the one whose say failed (counted by
-            // the turn loop as `send_failed`); nothing was billed for it.
-            crate::metrics::global().turn(&id, "sent", started.elapsed().as_secs_f64());
-            return Ok(());
-        }
-        let rooms: Vec<String> = batch
-            .iter()
-            .map(|d| d.room_id.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let typing = self.mouth.typing_while(rooms);
+        let stored_output = self.stored_reply(&turn_id);
         let started = Instant::now();
-        if let Some(first) = batch.first() {
-            self.book_gap(started, first.ts);
-        }
-        self.telemetry.batch_waiting = true;
-        self.telemetry.process = if self.cli.is_some() {
-            Process::Running
-        } else {
-            Process::Stopped
-        };
-        self.telemetry.base_tokens = self.prompt_tokens;
         // What a fresh start would write: its rehydration, then the lines this session holds
         // that the rehydration leaves out, which her rooms' next batches show again.
         let lines = self.room_lines();
-        let (rehydrated, resent) = render::fresh_start_bytes(
-            &self.latest_notes(&[]),
-            &lines,
-            self.persona.limits.context_lines,
-            self.persona.limits.context_bytes,
-            &self.seen,
-        );
-        self.telemetry.rehydration_tokens = self.prompt_tokens + rehydrated as u64 / 4;
-        self.telemetry.resend_tokens = resent as u64 / 4;
-        let decision = if self.status.session_id.is_none() {
+        let decision = if stored_output.is_some() {
             Decision::Continue
         } else {
-            policy::decide(&self.telemetry, started, &self.policy)
-        };
-        tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
-        crate::metrics::global().decision(&id, decision_name(&decision));
-        match decision {
-            Decision::FreshStart(r) => self.fresh_start(&format!("{r:?}"))?,
-            Decision::Compact(r) => {
-                self.checkpoint().await?;
-                self.compact(&format!("{r:?}")).await?;
+            if let Some(first) = batch.first() {
+                self.book_gap(started, first.ts);
             }
-            _ => {}
-        }
-        // What the session had seen before this batch: if it refuses the batch, it saw none of it.
-        let seen_before = self.seen.clone();
-        // A retry in the session that holds the failed attempt's text says only that: the
-        // process that runs it (the live one, else the stored session resumed) holds it too.
+            self.telemetry.batch_waiting = true;
+            self.telemetry.process = if self.cli.is_some() {
+                Process::Running
+            } else {
+                Process::Stopped
+            };
+            self.telemetry.base_tokens = self.prompt_tokens;
+            let (rehydrated, resent) = render::fresh_start_bytes(
+                &self.latest_notes(&[]),
+                &lines,
+                self.persona.limits.context_lines,
+                self.persona.limits.context_bytes,
+                &self.seen,
+            );
+            self.telemetry.rehydration_tokens = self.prompt_tokens + rehydrated as u64 / 4;
+            self.telemetry.resend_tokens = resent as u64 / 4;
+            let decision = if self.status.session_id.is_none() {
+                Decision::Continue
+            } else {
+                policy::decide(&self.telemetry, started, &self.policy)
+            };
+            tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
+            self.metrics.decision(&id, decision_name(&decision));
+            decision
+        };
+        // The session that will run this batch: the live process's, else the stored one.
         let next_session = self
             .cli
             .as_ref()
             .and_then(Cli::session_id)
             .or(self.status.session_id.as_deref())
             .map(str::to_owned);
-        let restart = self.restarted.map(|what| self.restart_note(what));
-        let text = match self.failed.take() {
-            Some(f) if f.turn_id == turn_id && Some(&f.session) == next_session.as_ref() => {
-                tracing::info!(status = ?f.status, "retrying the turn the model API failed on; its batch is in her conversation");
-                let status = f
-                    .status
-                    .map_or_else(|| "an error".to_owned(), |s| format!("HTTP {s}"));
-                render::render(batch, &mut self.seen, &[]);
-                self.retry_text(
-                    restart,
-                    &format!("the model API failed ({status}) on the batch above"),
-                )
-            }
-            _ => {
-                let composed = self.compose(batch, &stored);
-                // A retry in a new process that resumes her session: if the one before died in
-                // this batch's turn after its text reached her transcript, it is not sent again.
-                if retried && self.cli.is_none() && self.held_by_session(&composed) {
-                    tracing::info!(
-                        "her session's transcript holds this batch already; retrying without it"
-                    );
-                    self.retry_text(
-                        restart,
-                        "your last turn ended before you answered the batch above",
-                    )
-                } else {
-                    composed
+        let api_failed = self
+            .failed
+            .as_ref()
+            .filter(|f| f.turn_id == turn_id && Some(&f.session) == next_session.as_ref())
+            .map(|f| f.status);
+        let (mut attempt, mut action) = Attempt::start(Start {
+            stored_reply: stored_output.is_some(),
+            has_session: self.status.session_id.is_some(),
+            live: self.cli.is_some(),
+            retried,
+            api_failed,
+            decision,
+            checkpoint: self.persona.session.checkpoint_before_compact,
+            restarted: self.restarted,
+        });
+        let rooms: Vec<String> = batch
+            .iter()
+            .map(|d| d.room_id.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let typing = (stored_output.is_none()).then(|| self.mouth.typing_while(rooms));
+        // What the session had seen before the batch's text: if it refuses the batch, it saw
+        // none of it.
+        let mut seen_before = None;
+        // The text of the current run, and the last run's turn and the error its process died
+        // of.
+        let mut text = String::new();
+        let mut turn = None;
+        let mut died = None;
+        let checkpoint_started = Instant::now();
+        loop {
+            tracing::debug!(?action, "turn action");
+            let event = match action {
+                Action::SendStored => {
+                    // She answered this batch and a say failed (or the gateway stopped between
+                    // says): the same reply is sent, each say at most once; she is not asked
+                    // again.
+                    tracing::info!("sending her stored reply to this batch");
+                    self.deliver(&turn_id, batch, &stored, stored_output.as_ref(), &lines)
+                        .await?;
+                    // Counted as a turn that went out, after the one whose say failed (counted
+                    // by the turn loop as `send_failed`); nothing was billed for it.
+                    self.metrics
+                        .turn(&id, "sent", started.elapsed().as_secs_f64());
+                    return Ok(());
                 }
-            }
-        };
-        // A session that starts with this batch holds nothing a compaction or a fresh start
-        // could take out.
-        let new_session = self.status.session_id.is_none();
-        let mut turn = self.run_cli(&text).await;
-        if Self::too_long(&turn) && !new_session {
-            // Refused as too long: compact and retry the same batch once; then start fresh.
-            self.seen = seen_before;
-            // The refused message, as her transcript names it.
-            let refused = match (&self.status.session_id, render::batch_header(&text)) {
-                (Some(session), Some(header)) => {
-                    session::driver::transcript_user_message(&self.base, session, header)
+                Action::FreshStart(why) => {
+                    self.fresh_start(&why.describe())?;
+                    Event::Done
                 }
-                _ => None,
+                Action::Compact(why) => {
+                    // The refused message, as her transcript names it: a refused turn stays in
+                    // the CLI's conversation, and when it did not fit the summary request
+                    // either the compaction keeps it verbatim past the summary
+                    // (`live_session::a_refused_turn_is_kept_verbatim_past_the_compaction_after_it`):
+                    // sent again, she would see the batch twice.
+                    let refused = match (why, &self.status.session_id, render::batch_header(&text))
+                    {
+                        (CompactWhy::Refused, Some(session), Some(header)) => {
+                            session::driver::transcript_user_message(&self.base, session, header)
+                        }
+                        _ => None,
+                    };
+                    match self.compact(&why.describe()).await {
+                        Some(m) => Event::Compacted {
+                            kept_refused: refused
+                                .is_some_and(|id| m.preserved_messages.uuids.contains(&id)),
+                        },
+                        None => Event::CompactFailed,
+                    }
+                }
+                Action::Compose => {
+                    seen_before.get_or_insert_with(|| self.seen.clone());
+                    text = self.compose(batch, &stored);
+                    Event::Done
+                }
+                Action::Unsee => {
+                    if let Some(seen) = &seen_before {
+                        self.seen = seen.clone();
+                    }
+                    Event::Done
+                }
+                Action::CheckTranscript => Event::Held(self.held_by_session(&text)),
+                Action::Run(t) => {
+                    if matches!(t, Text::Retry { .. }) {
+                        seen_before.get_or_insert_with(|| self.seen.clone());
+                    }
+                    let sent = self.text_for(t, batch, &mut text);
+                    let (t, event) = self.run_text(&sent, &mut died).await;
+                    turn = t;
+                    event
+                }
+                Action::KeepCheckpoint { answered } => {
+                    self.keep_checkpoint(turn.as_ref(), answered, checkpoint_started)?;
+                    Event::Done
+                }
+                Action::Deliver | Action::Fail(_) | Action::Compacted { .. } => break,
             };
-            let compacted = self
-                .compact("the session refused the turn (context full)")
-                .await?;
-            // A refused turn stays in the CLI's conversation, and when it did not fit the
-            // summary request either the compaction keeps it verbatim past the summary
-            // (`live_session::a_refused_turn_is_kept_verbatim_past_the_compaction_after_it`):
-            // sent again, she would see the batch twice.
-            let kept = compacted
-                .zip(refused)
-                .is_some_and(|(m, id)| m.preserved_messages.uuids.contains(&id));
-            let text = if kept {
-                tracing::info!("the compaction kept the refused batch; retrying without it");
-                render::render(batch, &mut self.seen, &[]);
-                self.retry_text(
-                    None,
-                    "the batch above was refused as too long for your context window, and your conversation before it was compacted",
-                )
-            } else {
-                self.compose(batch, &stored)
-            };
-            turn = self.run_cli(&text).await;
-            if Self::too_long(&turn) {
-                self.fresh_start("the session refused the turn again after compacting")?;
-                let text = self.compose(batch, &stored);
-                turn = self.run_cli(&text).await;
+            action = attempt.on(event);
+        }
+        if let Some(typing) = typing {
+            typing.stop().await;
+        }
+        let turn = match (action, turn) {
+            (Action::Deliver, Some(turn)) => turn,
+            (Action::Fail(Failure::TooLong), _) => {
+                return Err(TurnError::TooLong {
+                    deliveries: batch.len(),
+                    bytes: batch.iter().map(|d| d.text.len()).sum(),
+                })
             }
-        }
-        typing.stop().await;
-        if Self::too_long(&turn) {
-            return Err(TurnError::TooLong {
-                deliveries: batch.len(),
-                bytes: batch.iter().map(|d| d.text.len()).sum(),
-            });
-        }
-        let turn = turn?;
-        let res = &turn.result;
-        if res.outcome() == Outcome::ApiError {
-            return Err(match res.api_error_status {
-                Some(401) => TurnError::Unauthorized,
-                other => {
-                    // Its text is in the transcript of the session it ran in.
-                    let failed = res.session_id.clone().map(|session| ApiFailure {
+            (Action::Fail(Failure::Unauthorized), _) => return Err(TurnError::Unauthorized),
+            (Action::Fail(Failure::Api { status }), turn) => {
+                // Its text is in the transcript of the session it ran in.
+                let failed = turn
+                    .and_then(|t| t.result.session_id)
+                    .map(|session| ApiFailure {
                         turn_id,
                         session,
-                        status: other,
+                        status,
                     });
-                    self.set_failed(failed);
-                    TurnError::Api(other)
-                }
-            });
-        }
+                self.set_failed(failed);
+                return Err(TurnError::Api(status));
+            }
+            _ => {
+                return Err(TurnError::Cli(died.unwrap_or_else(|| {
+                    DriverError::Exited("resume kept failing".into())
+                })))
+            }
+        };
+        let res = &turn.result;
         if let Some(sid) = &res.session_id {
             if self.status.session_id.as_deref() != Some(sid) {
                 self.inbox.set_session_value(&id, "session_id", Some(sid))?;
@@ -1723,7 +1796,7 @@ impl TurnLoop {
             fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
             ..self.record(RecordKind::Turn, &billed, &last, started, outcome)
         };
-        let m = crate::metrics::global();
+        let m = self.metrics.clone();
         // A say that failed fails the turn, which the turn loop counts by its error.
         if delivered.is_ok() {
             m.turn(
@@ -1850,7 +1923,7 @@ impl TurnLoop {
                 values: &values,
             },
         )?;
-        self.restarted = None;
+        self.restarted = false;
         // She can take turns again.
         self.set_error(None);
         if acked.is_some() {
@@ -1998,7 +2071,7 @@ impl TurnLoop {
     fn record_upkeep(&mut self, kind: RecordKind, usage: &Usage, started: Instant, outcome: &str) {
         self.keep_session();
         let record = self.record(kind, usage, usage, started, outcome.to_owned());
-        crate::metrics::global().usage(&self.persona.id, usage, record.cost_usd);
+        self.metrics.usage(&self.persona.id, usage, record.cost_usd);
         self.append_to_history(&record);
         self.status.upkeep_usd += record.cost_usd;
         self.save_status();

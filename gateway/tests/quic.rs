@@ -102,7 +102,12 @@ async fn start(
     let rudp = endpoint.local_addr();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let accepting = tokio::spawn(quic::accept(server, tx, stop.clone()));
+    let accepting = tokio::spawn(quic::accept(
+        server,
+        tx,
+        gateway::metrics::unserved(),
+        stop.clone(),
+    ));
     let serving = tokio::spawn(serve_with(service, endpoint, Some(rx), stop));
     Gateway {
         addr,

@@ -13,6 +13,9 @@
 //!   one-line, escaped, capped names and ids, event ids checked, every line break indented.
 //! - [`turn`]: what her turn loop does next with her pending mail (a pure state machine: what it
 //!   sees in, the step out), and what a batch refused as too long leaves for the next turn.
+//! - [`attempt`]: how one turn runs once its batch is chosen (a pure state machine: what the
+//!   edge knows and each action's result in, the next action out): the policy's fresh start
+//!   or compaction, the text sent, a dead process replaced, a refusal as too long, an API error.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
 //! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
@@ -24,6 +27,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admission;
+pub mod attempt;
 pub mod budget;
 pub mod cost;
 pub mod driver;

@@ -15,6 +15,7 @@ use gateway::client;
 use gateway::config::{Config, Persona, SessionMode};
 use gateway::ear::{self, Ear, EarStats, Signals};
 use gateway::inbox::Inbox;
+use gateway::metrics::Metrics;
 use gateway::mouth::Mouth;
 use gateway::processes::Processes;
 use gateway::service::{self, Port, Service};
@@ -43,14 +44,20 @@ struct Running {
     port: Port,
 }
 
+/// What every Persona's parts share: the cap on live processes and the event metrics.
+struct Parts {
+    processes: Arc<Processes>,
+    metrics: Arc<Metrics>,
+}
+
 impl Running {
     /// Starts `p` (a failure is reported in her port; the others go on).
-    async fn launch(cfg: &Config, p: &Persona, inbox: &Inbox, processes: &Arc<Processes>) -> Self {
+    async fn launch(cfg: &Config, p: &Persona, inbox: &Inbox, parts: &Parts) -> Self {
         use tracing::Instrument as _;
         let (stop, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let span = tracing::info_span!("persona", id = %p.id);
-        let port = match start_persona(cfg, p, inbox, processes, &stop_rx, &mut tasks)
+        let port = match start_persona(cfg, p, inbox, parts, &stop_rx, &mut tasks)
             .instrument(span.clone())
             .await
         {
@@ -106,6 +113,8 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("opening the inbox {}", inbox_path.display()))?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    // The event metrics, handed to each part that counts and to the exporter that serves them.
+    let metrics = Arc::new(Metrics::new());
     // The service (its socket and loop on their own thread) starts first, knowing every
     // Persona as starting: clients may read and acknowledge her inbox at once, and learn that
     // she is starting when they ask for more. Her handles follow once she runs.
@@ -129,7 +138,8 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         &cfg.cultnet.clients,
         starting,
     )
-    .with_limits(service::ClientLimits::from(&cfg.cultnet));
+    .with_limits(service::ClientLimits::from(&cfg.cultnet))
+    .with_metrics(metrics.clone());
     let remote = match &cfg.cultnet.quic {
         Some(q) => {
             let identity = gateway::quic::identity(
@@ -143,7 +153,12 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
             let addr = quic.local_addr().context("the QUIC address")?;
             tracing::info!(%addr, sha256 = %fingerprint, "CultNet over QUIC for remote peers");
             let (tx, rx) = tokio::sync::mpsc::channel(1024);
-            tasks.spawn(gateway::quic::accept(quic, tx, stop_rx.clone()));
+            tasks.spawn(gateway::quic::accept(
+                quic,
+                tx,
+                metrics.clone(),
+                stop_rx.clone(),
+            ));
             Some(rx)
         }
         None => None,
@@ -174,6 +189,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
             ids,
             shared.clone(),
             endpoint.clone(),
+            &metrics,
             stop_rx.clone(),
         )
         .await
@@ -181,10 +197,13 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         tracing::info!(%addr, "metrics on /metrics, /healthz, /readyz");
     }
     // Live claude processes across the gateway (`[sessions] max_live`).
-    let processes = Processes::new(cfg.sessions.max_live);
+    let parts = Parts {
+        processes: Processes::new(cfg.sessions.max_live, metrics.clone()),
+        metrics,
+    };
     let mut running: BTreeMap<String, Running> = BTreeMap::new();
     for p in &cfg.personas {
-        let r = Running::launch(&cfg, p, &inbox, &processes).await;
+        let r = Running::launch(&cfg, p, &inbox, &parts).await;
         shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -215,7 +234,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
             _ = hup.recv() => {
-                cfg = reload(path, cfg, &inbox, &processes, &mut running, &shared, &updates).await;
+                cfg = reload(path, cfg, &inbox, &parts, &mut running, &shared, &updates).await;
                 retention.send_if_modified(|r| std::mem::replace(r, cfg.retention) != cfg.retention);
             }
         }
@@ -295,7 +314,7 @@ async fn reload(
     path: &Path,
     old: Config,
     inbox: &Inbox,
-    processes: &Arc<Processes>,
+    parts: &Parts,
     running: &mut BTreeMap<String, Running>,
     shared: &gateway::exporter::Ports,
     updates: &tokio::sync::mpsc::Sender<service::Update>,
@@ -359,7 +378,7 @@ async fn reload(
             continue;
         }
         tracing::info!(persona = %p.id, "SIGHUP: starting her (added or changed)");
-        let r = Running::launch(&new, p, inbox, processes).await;
+        let r = Running::launch(&new, p, inbox, parts).await;
         shared
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -382,7 +401,7 @@ async fn start_persona(
     cfg: &Config,
     p: &Persona,
     inbox: &Inbox,
-    processes: &Arc<Processes>,
+    parts: &Parts,
     stop: &watch::Receiver<bool>,
     tasks: &mut JoinSet<()>,
 ) -> anyhow::Result<Port> {
@@ -409,7 +428,7 @@ async fn start_persona(
             .await
             .context("first sync (recording the position)")?;
     }
-    let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms);
+    let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms).with_metrics(parts.metrics.clone());
     tasks.spawn(ear.run(stop.clone()));
     let mut port = Port {
         mouth: Some(mouth.clone()),
@@ -456,7 +475,8 @@ async fn start_persona(
                 .filter(|o| o.id != p.id)
                 .map(|o| o.user_id.clone()),
         )
-        .with_processes(processes.clone());
+        .with_processes(parts.processes.clone())
+        .with_metrics(parts.metrics.clone());
         port.turn_requests = Some(turns.turn_requests.clone());
         port.controls = Some(turns.controls.clone());
         tasks.spawn(turns.run(stop.clone()));

@@ -31,6 +31,7 @@ fn port(trigger: Option<Arc<Notify>>) -> Port {
 struct Fixture {
     svc: Service,
     inbox: Inbox,
+    metrics: Arc<crate::metrics::Metrics>,
     trigger: Arc<Notify>,
     _dir: crate::scratch::Dir,
 }
@@ -46,6 +47,7 @@ fn fixture(name: &str) -> Fixture {
         client("organ", 1, &["mira"], &Verb::ALL),
         client("heartbeat", 2, &["*"], &[Verb::Status, Verb::Turn]),
     ];
+    let metrics = crate::metrics::unserved();
     Fixture {
         svc: Service::new(
             "gw-test",
@@ -54,7 +56,9 @@ fn fixture(name: &str) -> Fixture {
             inbox.clone(),
             &clients,
             ports,
-        ),
+        )
+        .with_metrics(metrics.clone()),
+        metrics,
         inbox,
         trigger,
         _dir: dir,
@@ -661,14 +665,15 @@ fn a_quic_client_cut_off_anywhere_is_counted_once() {
     remote_event(&mut f.svc, &mut quic, gone(3), &mut out);
     assert_eq!(f.svc.stats().cut_off, 2);
     assert!(out.is_empty(), "no answers to any of this");
-    // The metrics count them too (other tests in this process may add to the same counter).
-    let unread = crate::metrics::global()
+    // The metrics handed to the service count them too.
+    let unread = f
+        .metrics
         .clients_cut_off
         .get_or_create(&crate::metrics::ReasonLabel {
             reason: "unread".into(),
         })
         .get();
-    assert!(unread >= 2, "{unread}");
+    assert_eq!(unread, 2);
 }
 
 #[test]
