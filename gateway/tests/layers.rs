@@ -124,3 +124,50 @@ fn the_reader_sees_through_comments_and_tests() {
     let text = "use crate::inbox::Inbox; // crate::turns\n/// [`crate::quic`]\nfn f() { gateway::ear::x(); }\n#[cfg(test)]\nmod tests { use crate::cli; }";
     assert_eq!(named(text), ["inbox", "ear"]);
 }
+
+/// The module paths of a crate's sources under `src` (`crate::a::b` for `a/b.rs` or
+/// `a/b/mod.rs`), test modules left out.
+fn module_paths(krate: &str, src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    sources(src, &mut files);
+    let mut out: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let rel = f.strip_prefix(src).ok()?.with_extension("");
+            let mut parts: Vec<&str> = rel.iter().filter_map(|p| p.to_str()).collect();
+            if parts.last() == Some(&"mod") {
+                parts.pop();
+            }
+            let test = parts.contains(&"tests");
+            let root = matches!(parts.as_slice(), ["lib" | "main"]);
+            (!test && !root && !parts.is_empty()).then(|| format!("{krate}::{}", parts.join("::")))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn the_map_names_every_module_of_the_three_crates() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let map = std::fs::read_to_string(root.join("../docs/architecture.md")).expect("the map");
+    let mut missing = Vec::new();
+    let mut seen = 0;
+    for (krate, dir) in [
+        ("wire", "../wire/src"),
+        ("session", "../session/src"),
+        ("gateway", "src"),
+    ] {
+        for m in module_paths(krate, &root.join(dir)) {
+            seen += 1;
+            if !map.contains(&format!("`{m}`")) {
+                missing.push(m);
+            }
+        }
+    }
+    assert!(seen > 40, "only {seen} modules found: the walk is wrong");
+    assert!(
+        missing.is_empty(),
+        "docs/architecture.md's map does not name: {missing:#?}"
+    );
+}

@@ -9,6 +9,7 @@ use wire::hub::HubError;
 use wire::msg::{Hello, SchemaCatalogRequest};
 use wire::session::GATEWAY_CONNECTION_ID;
 
+use super::run::{endpoint_event, DRAIN_SESSIONS, DRAIN_TASKS};
 use super::*;
 
 const NOW: u64 = 1_800_000_000_000;

@@ -1,0 +1,184 @@
+//! Who may talk to the service: a Connect is checked (configured agent, pinned key, this
+//! service's connection id, time, unused nonce) before a session is known as that agent, and
+//! each request is checked against the Personas and verbs the agent is granted.
+
+use super::*;
+
+/// Connect nonces remembered at most (older ones are beyond the skew window anyway).
+pub(super) const MAX_NONCES: usize = 100_000;
+
+/// Why a Connect was refused (the client is told the same text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The payload is not a signed Connect payload, or the signature or time is wrong.
+    #[error("{0}")]
+    Auth(#[from] AuthError),
+    /// No client with this agent id is configured.
+    #[error("agent {0:?} is not a configured client")]
+    UnknownAgent(String),
+    /// This nonce was used before.
+    #[error("nonce already used by agent {0:?} (replayed connect)")]
+    Replay(String),
+}
+
+impl Refusal {
+    /// A short name for the reason (a metrics label).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Auth(AuthError::BadSignature(_)) => "bad_signature",
+            Self::Auth(AuthError::Stale { .. }) => "stale",
+            Self::Auth(_) => "malformed",
+            Self::UnknownAgent(_) => "unknown_agent",
+            Self::Replay(_) => "replay",
+        }
+    }
+}
+
+/// The configured clients by agent id with their pinned keys (a key that is not an ed25519 key
+/// was refused by the config already; should one get here, it is left out and logged).
+pub(super) fn pinned(clients: &[Client]) -> HashMap<String, (VerifyingKey, Client)> {
+    clients
+        .iter()
+        .filter_map(|c| {
+            let key = c
+                .key_bytes()
+                .and_then(|k| VerifyingKey::from_bytes(&k).ok());
+            if key.is_none() {
+                tracing::error!(agent = %c.agent_id, "client key is not an ed25519 key; left out");
+            }
+            Some((c.agent_id.clone(), (key?, c.clone())))
+        })
+        .collect()
+}
+
+impl Service {
+    /// Checks a Connect payload from `peer` at `now_ms`; on success the peer may send requests
+    /// as that agent.
+    pub fn authenticate(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Result<String, Refusal> {
+        let out = self.check_connect(peer, payload, now_ms);
+        match &out {
+            Ok(agent) => {
+                self.stats.accepted += 1;
+                self.peers.insert(
+                    peer,
+                    Peer {
+                        agent: agent.clone(),
+                    },
+                );
+                let m = &self.metrics;
+                m.connects_accepted.inc();
+                m.peers.set(self.peers.len() as i64);
+                tracing::info!(%peer, %agent, "CultNet client connected");
+            }
+            Err(why) => {
+                self.stats.refused += 1;
+                self.metrics.refused(why.reason());
+                if let Some(held_back) = self.refusals.admit(peer.ip(), std::time::Instant::now()) {
+                    tracing::warn!(%peer, held_back, "CultNet connect refused: {why}");
+                }
+            }
+        }
+        out
+    }
+
+    pub(super) fn check_connect(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Result<String, Refusal> {
+        let p = ConnectPayload::decode(payload)?;
+        let (key, _) = self
+            .clients
+            .get(&p.agent_id)
+            .ok_or_else(|| Refusal::UnknownAgent(p.agent_id.clone()))?;
+        // A replayed payload is refused before its signature costs anything (only verified
+        // nonces are remembered, so a forger cannot poison this). From the address that used
+        // it first, it is that client resending its Connect (its first was dropped from a full
+        // waiting room, or answered after it timed out): it is let through.
+        if let Some((_, from)) = self.nonces.get(&(p.agent_id.clone(), p.nonce.clone())) {
+            if *from != peer {
+                return Err(Refusal::Replay(p.agent_id));
+            }
+            p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
+            return Ok(p.agent_id);
+        }
+        p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
+        // A nonce older than twice the skew cannot pass the time check again: forget those
+        // once there are a few.
+        let horizon = now_ms.saturating_sub(self.max_skew_ms.saturating_mul(2));
+        if self.nonces.len() >= 1024 {
+            self.nonces.retain(|_, (at, _)| *at >= horizon);
+        }
+        if self.nonces.len() >= MAX_NONCES {
+            // Only a flood of valid, fresh connects gets here; forgetting the oldest half
+            // would reopen a replay window, so refuse until they age out.
+            return Err(Refusal::Replay(p.agent_id));
+        }
+        let fresh = self
+            .nonces
+            .insert((p.agent_id.clone(), p.nonce.clone()), (p.issued_at, peer))
+            .is_none();
+        if !fresh {
+            return Err(Refusal::Replay(p.agent_id));
+        }
+        Ok(p.agent_id)
+    }
+
+    /// The authenticated peers.
+    pub fn peer_addrs(&self) -> Vec<SocketAddr> {
+        self.peers.keys().copied().collect()
+    }
+
+    /// Forgets a peer whose session ended.
+    pub fn forget(&mut self, peer: SocketAddr) {
+        self.greeted.remove(&peer);
+        if let Some(Peer { agent, .. }) = self.peers.remove(&peer) {
+            self.metrics.peers.set(self.peers.len() as i64);
+            tracing::info!(%peer, %agent, "CultNet client gone");
+        }
+    }
+
+    /// Whether `agent` may make `req`.
+    pub(super) fn permit(&self, agent: &str, req: &Request) -> Result<(), String> {
+        let Some((_, client)) = self.clients.get(agent) else {
+            return Err(format!("agent {agent:?} is no longer configured"));
+        };
+        let verb = match req {
+            Request::Pending(_) => Verb::Pending,
+            Request::Ack(_) => Verb::Ack,
+            Request::Send(_) => Verb::Send,
+            Request::Turn(_) => Verb::Turn,
+            Request::Status(_) => Verb::Status,
+            Request::Note(_) => Verb::Note,
+            Request::Control(_) => Verb::Session,
+            Request::ExtensionPending(_) | Request::ExtensionAck(_) => Verb::Extensions,
+            _ => return Err("unknown request".into()),
+        };
+        if !client.verbs.contains(&verb) {
+            return Err(format!("agent {agent:?} may not make {verb:?} requests"));
+        }
+        if let Some(persona) = req.persona() {
+            if !self.ports.contains_key(persona) {
+                return Err(format!("no Persona {persona:?} here"));
+            }
+            if !client.allows_persona(persona) {
+                return Err(format!("agent {agent:?} may not act for {persona:?}"));
+            }
+        }
+        if let Request::Send(s) = req {
+            if s.request_id.trim().is_empty() {
+                return Err(
+                    "a send request needs a requestId (it makes the send exactly-once)".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
