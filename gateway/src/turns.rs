@@ -1301,7 +1301,6 @@ impl TurnLoop {
                 (Some(t), Event::Ran(ran))
             }
             Err(e) => {
-                tracing::warn!(persona = %self.persona.id, error = %e, "claude CLI failed");
                 self.cli = None;
                 *died = Some(e);
                 (None, Event::Died)
@@ -1432,6 +1431,9 @@ impl TurnLoop {
                 }
             };
             action = attempt.on(event);
+            if event == Event::Died {
+                respawning(&self.persona.id, &action, died.as_ref());
+            }
         }
     }
 
@@ -1703,6 +1705,9 @@ impl TurnLoop {
                 Action::Deliver | Action::Fail(_) | Action::Compacted { .. } => break,
             };
             action = attempt.on(event);
+            if event == Event::Died {
+                respawning(&self.persona.id, &action, died.as_ref());
+            }
         }
         if let Some(typing) = typing {
             typing.stop().await;
@@ -2141,6 +2146,17 @@ pub fn read_history(path: &std::path::Path) -> std::io::Result<Vec<TurnRecord>> 
 }
 
 /// The name of a refresh decision, without its reason (a metrics label).
+/// Logs what her attempt does after her process died of `error`: respawn it, or give up
+/// the round (its runs are spent).
+fn respawning(persona: &str, next: &Action, error: Option<&DriverError>) {
+    let error = error.map(ToString::to_string).unwrap_or_default();
+    if next.is_final() {
+        tracing::warn!(persona, error, "claude CLI failed; its runs are spent, the round fails");
+    } else {
+        tracing::warn!(persona, error, "claude CLI failed; respawning");
+    }
+}
+
 fn decision_name(d: &Decision) -> &'static str {
     match d {
         Decision::Continue => "continue",
