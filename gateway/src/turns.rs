@@ -2151,7 +2151,11 @@ pub fn read_history(path: &std::path::Path) -> std::io::Result<Vec<TurnRecord>> 
 fn respawning(persona: &str, next: &Action, error: Option<&DriverError>) {
     let error = error.map(ToString::to_string).unwrap_or_default();
     if next.is_final() {
-        tracing::warn!(persona, error, "claude CLI failed; its runs are spent, the round fails");
+        tracing::warn!(
+            persona,
+            error,
+            "claude CLI failed; its runs are spent, the round fails"
+        );
     } else {
         tracing::warn!(persona, error, "claude CLI failed; respawning");
     }

@@ -4,7 +4,7 @@
 use sha2::{Digest, Sha256};
 
 use crate::docs::ids;
-use crate::msg::{versions, CatalogEntry, SchemaCatalogRequest, SchemaCatalogResponse};
+use crate::msg::{CatalogEntry, SchemaCatalogRequest, SchemaCatalogResponse};
 
 macro_rules! contract {
     ($id:expr) => {
@@ -71,10 +71,13 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 schema_version: None,
                 document_type: if shared { None } else { Some((*id).to_owned()) },
                 title,
+                // The wire contract the document travels under (the published enum allows
+                // `cultnet.schema.v0` and `gamecult.networking.v0`); the Connect payload travels
+                // in the RUDP Connect packet, under none.
                 wire_contracts: if *id == ids::CONNECT {
                     vec![]
                 } else {
-                    vec![versions::DOCUMENT_PUT_RAW.to_owned()]
+                    vec![WIRE_CONTRACT.to_owned()]
                 },
                 content_hash: content_hash(json),
                 schema_json: Some((*json).to_owned()),
@@ -82,6 +85,9 @@ pub fn catalog() -> Vec<CatalogEntry> {
         })
         .collect()
 }
+
+/// The wire contract this service's documents travel under.
+pub const WIRE_CONTRACT: &str = "cultnet.schema.v0";
 
 /// Answers a catalog request: filtered by `schemaIds` and `kinds`, JSON only when asked for.
 pub fn answer(req: &SchemaCatalogRequest) -> SchemaCatalogResponse {

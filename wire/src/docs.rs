@@ -659,6 +659,9 @@ impl Request {
     }
 }
 
+/// The authority the gateway's mutation contracts name: the runtime itself decides.
+pub const MUTATION_AUTHORITY: &str = "runtime";
+
 /// The hello's `supportedMutationContracts`: every request this gateway accepts and the
 /// receipt that answers it.
 pub fn mutation_contracts() -> Vec<MutationContract> {
@@ -668,7 +671,10 @@ pub fn mutation_contracts() -> Vec<MutationContract> {
             document_type: (*req).to_owned(),
             payload_schema_version: Some("v0".to_owned()),
             operations: Some(vec!["documentPut".to_owned(), "receiptWatch".to_owned()]),
-            authority: Some("bifrost.matrix_gateway".to_owned()),
+            // The published contracts allow `readOnly`, `localUser`, `coordinator`, `runtime`
+            // and `denied`: the gateway is the runtime that decides each request and answers
+            // it with its receipt.
+            authority: Some(MUTATION_AUTHORITY.to_owned()),
             intent_document_types: Some(vec![(*req).to_owned()]),
             receipt_document_types: Some(vec![(*receipt).to_owned()]),
         })
