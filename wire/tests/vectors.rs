@@ -247,8 +247,9 @@ fn older_peer_replayed_from_vectors() {
     assert_eq!(frames, vec![Bytes::from(fixture("hello.msgpack"))]);
     let s = hub.session(peer).unwrap();
     assert_eq!(s.peer_rules(), wire::session::PeerRules::Older);
-    // Our answers (ack of the data, pong) take sequences from one counter, as the peer expects.
-    let mut seqs = Vec::new();
+    // Our controls (the ack of the data, the pong) carry sequence 0: that peer's ordered
+    // delivery waits for the exact next sequence of a channel, so a control taking a number
+    // would hold every later frame; it checks duplicates on Data only.
     let mut pong = false;
     loop {
         buf.clear();
@@ -256,18 +257,33 @@ fn older_peer_replayed_from_vectors() {
             break;
         }
         let p = Packet::decode(&buf).unwrap();
-        assert_ne!(
+        assert_eq!(
             p.sequence, 0,
-            "{:?} carries sequence 0 to an older peer",
+            "{:?} takes a sequence towards an older peer",
             p.ptype
         );
         pong |= p.ptype == PacketType::Pong && p.payload == b"p";
-        seqs.push(p.sequence);
     }
     assert!(pong, "ping not answered");
-    let mut sorted = seqs.clone();
-    sorted.dedup();
-    assert_eq!(sorted.len(), seqs.len(), "sequence reused: {seqs:?}");
+    // Two answers on `schema` after them take consecutive sequences right after the Accept's.
+    hub.send(now, peer, "schema", Bytes::from_static(b"one"))
+        .unwrap();
+    hub.send(now, peer, "schema", Bytes::from_static(b"two"))
+        .unwrap();
+    let mut data = Vec::new();
+    loop {
+        buf.clear();
+        if hub.poll_transmit(now, &mut buf).is_none() {
+            break;
+        }
+        let p = Packet::decode(&buf).unwrap();
+        if p.ptype == PacketType::Data {
+            data.push(p.sequence);
+        } else {
+            assert_eq!(p.sequence, 0, "{:?}", p.ptype);
+        }
+    }
+    assert_eq!(data, [accept_seq + 1, accept_seq + 2]);
     hub.handle(now, peer, &with_ack("rudp-disconnect.bin"));
     let Some(HubEvent::Disconnected { reason, .. }) = hub.poll_event() else {
         panic!()

@@ -13,6 +13,10 @@ pub const DEFAULT_WINDOW: usize = 32;
 pub const DEFAULT_MAX_PAYLOAD: usize = 16 * 1024 * 1024;
 /// Pending fragment sets per peer.
 pub const DEFAULT_MAX_FRAGMENT_SETS: usize = 64;
+/// Fragments per set at most towards an older-rules peer: its one ack after delivering a frame
+/// names the newest packet and the 32 before it, so a set of at most 33 is acknowledged whole;
+/// 32 also fits the default send window whole.
+pub const OLDER_PEER_MAX_FRAGMENTS: usize = 32;
 /// Sequences above the received-through watermark that are tracked for duplicates.
 pub const DUPLICATE_WINDOW: u32 = 4096;
 

@@ -24,10 +24,20 @@
 //!
 //! # Older peers
 //! A peer whose Ack, Ping, Pong or unreliable packets carry non-zero sequences follows the older
-//! rules (one counter for every packet). Towards it this side also numbers every packet from
-//! its one counter (so the peer's every-sequence duplicate filter does not eat repeated 0s), its
-//! non-reliable sequences fill the gaps they leave in the reliable sequence, and a gap no resend
-//! will ever fill (its lost ack) is skipped after `legacy_hole_timeout`.
+//! rules (one counter for every packet). Its non-reliable sequences fill the gaps they leave in
+//! our view of its reliable sequence, and a gap no resend will ever fill (its lost ack) is
+//! skipped after `legacy_hole_timeout`. Towards it this side keeps to what that peer can take
+//! (cultnet-rs at 402f6e7, read and run):
+//! - controls (Ack, Ping, Pong, Disconnect) carry sequence 0: its ordered delivery waits for the
+//!   exact next sequence of a channel and never skips one, so a control taking a number between
+//!   two `schema` frames would hold every later frame forever; it checks duplicates on Data
+//!   only, so repeated 0s are harmless. Unreliable Data still takes numbers (it would drop
+//!   repeated 0s as duplicates).
+//! - a fragment set has at most [`OLDER_PEER_MAX_FRAGMENTS`] fragments (larger fragments
+//!   instead, up to a datagram), and once started goes out whole past the send window: that
+//!   peer acknowledges only when it delivers a whole frame, naming its newest packet and the
+//!   32 before it, and has no send window; a larger set, or one cut by our window, would wait
+//!   for an ack it never sends, and part of it would never be acknowledged.
 
 mod config;
 mod reasm;
@@ -245,7 +255,8 @@ pub struct Session {
     /// The peer understands abandon notices (it set the bit on its Connect/Accept).
     peer_abandon: bool,
     next_seq: u32,
-    /// Invariant: at most `cfg.window` entries, in sending order.
+    /// Invariant: at most `cfg.window` entries, in sending order; past it only while a fragment
+    /// set goes out whole to an older-rules peer (at most [`OLDER_PEER_MAX_FRAGMENTS`] more).
     in_flight: VecDeque<InFlight>,
     /// Reliable frames waiting for the window. Invariant: `queued_bytes` = their payload bytes.
     queue: VecDeque<Outgoing>,
@@ -478,9 +489,7 @@ impl Session {
         }
         (self.ack_now && self.recv.has_pending_acks())
             || self.in_flight.iter().any(|e| e.due)
-            || (self.state == State::Connected
-                && !self.queue.is_empty()
-                && self.in_flight.len() < self.cfg.window)
+            || (self.state == State::Connected && !self.queue.is_empty() && self.window_open())
             || (self.state == State::Connected && !self.unreliable.is_empty())
     }
 
@@ -522,6 +531,11 @@ impl Session {
         }
         let single = packet::MAX_SINGLE_PAYLOAD - channel.len();
         let piece = match self.cfg.max_fragment_size {
+            // An older-rules peer acknowledges a set only by the one ack after its delivery.
+            Some(f) if len > f && self.rules == PeerRules::Older => {
+                let most = OLDER_PEER_MAX_FRAGMENTS.min(self.cfg.window).max(1);
+                f.max(len.div_ceil(most)).clamp(1, single)
+            }
             Some(f) if len > f => f.clamp(1, single),
             _ if len > single => return Err(SendError::NeedsFragmentation { len }),
             _ => len.max(1),
@@ -1183,8 +1197,20 @@ impl Session {
         }
     }
 
+    /// Whether the next queued reliable packet may go in flight: the window has room, or it
+    /// continues a fragment set already started towards an older-rules peer (which
+    /// acknowledges nothing of a set before it has all of it).
+    fn window_open(&self) -> bool {
+        self.in_flight.len() < self.cfg.window
+            || (self.rules == PeerRules::Older
+                && self
+                    .queue
+                    .front()
+                    .is_some_and(|o| o.fragment.count > 1 && o.fragment.index > 0))
+    }
+
     fn fill_window(&mut self, now: Instant) {
-        while self.in_flight.len() < self.cfg.window {
+        while self.window_open() {
             let Some(out) = self.queue.pop_front() else {
                 break;
             };
@@ -1314,7 +1340,8 @@ impl Session {
 
     /// Appends an explicit Ack naming `ack` to `buf`.
     fn encode_ack(&mut self, buf: &mut Vec<u8>, ack: u32, mask: u32) {
-        let sequence = self.unreliable_seq();
+        // Sequence 0 under both rules (see the module docs on older peers).
+        let sequence = 0;
         self.encode(
             buf,
             PacketType::Ack,
@@ -1328,7 +1355,8 @@ impl Session {
     }
 
     fn push_control(&mut self, ptype: PacketType, payload: &[u8]) {
-        let sequence = self.unreliable_seq();
+        // Sequence 0 under both rules (see the module docs on older peers).
+        let sequence = 0;
         let acks = self.ack_fields();
         let mut bytes = Vec::with_capacity(packet::FIXED_HEADER_LEN + 7 + payload.len());
         let payload = &payload[..payload
@@ -1361,16 +1389,6 @@ impl Session {
         let s = self.next_seq;
         self.next_seq = seq::next(s);
         s
-    }
-
-    /// Sequence for a non-reliable packet: 0, or the next from the one counter towards an
-    /// older-rules peer.
-    fn unreliable_seq(&mut self) -> u32 {
-        if self.rules == PeerRules::Older {
-            self.take_seq()
-        } else {
-            0
-        }
     }
 
     fn take_fragment_id(&mut self) -> u16 {

@@ -1000,3 +1000,85 @@ fn finishing_a_session_with_nothing_queued_or_not_yet_connected_closes_it_at_onc
     lone.finish(pair.now, b, "never mind");
     assert!(lone.session(b).unwrap().close_reason().is_some());
 }
+
+/// What an older-rules peer (cultnet-rs at 402f6e7) sends once it has delivered a frame: an Ack
+/// taking the next number from its one counter, naming the newest packet it received and the
+/// 32 before it.
+fn older_ack(conn: u32, seq: u32, newest: u32, received: impl Fn(u32) -> bool) -> Vec<u8> {
+    let mut mask = 0u32;
+    for bit in 0..32 {
+        if newest > bit + 1 && received(newest - bit - 1) {
+            mask |= 1 << bit;
+        }
+    }
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Ack,
+        flags: Flags(0),
+        connection_id: conn,
+        sequence: seq,
+        ack: newest,
+        ack_mask: mask,
+        fragment: Fragment::default(),
+        channel: "control",
+        payload: b"",
+    }
+    .encode(&mut b)
+    .unwrap();
+    b
+}
+
+#[test]
+fn an_older_peer_gets_a_60kb_page_whole_and_its_one_ack_settles_it() {
+    let mut c = cfg();
+    c.session.silence_timeout = None;
+    let (mut hub, peer, conn, now) = server_with_client(c);
+    // Its ack takes a number: it follows the older rules. Then its request.
+    hub.handle(now, peer, &raw(conn, PacketType::Ack, 0, 1001, b""));
+    hub.handle(
+        now,
+        peer,
+        &raw(conn, PacketType::Data, 3, 1002, b"pending?"),
+    );
+    assert_eq!(hub.session(peer).unwrap().peer_rules(), PeerRules::Older);
+    drain(&mut hub, now);
+    events(&mut hub);
+    let page: Vec<u8> = (0..60_000u32).map(|i| (i % 251) as u8).collect();
+    hub.send(now, peer, "schema", Bytes::from(page.clone()))
+        .unwrap();
+    // Every fragment goes out at once, without waiting for an ack that peer would not send
+    // before it has the whole frame.
+    let datagrams = drain(&mut hub, now);
+    let data: Vec<_> = datagrams
+        .iter()
+        .map(|(_, b)| Packet::decode(b).unwrap())
+        .filter(|p| p.ptype == PacketType::Data)
+        .map(|p| (p.sequence, p.fragment, p.payload.len()))
+        .collect();
+    let count = data.first().map(|(_, f, _)| f.count).unwrap_or(0);
+    assert!(
+        (2..=32).contains(&count),
+        "{count} fragments: its one ack covers at most 33"
+    );
+    assert_eq!(data.len(), count as usize, "the whole set at once");
+    assert_eq!(data.iter().map(|(_, _, n)| n).sum::<usize>(), page.len());
+    let first = data[0].0;
+    let last = data[data.len() - 1].0;
+    assert_eq!(last - first + 1, u32::from(count), "consecutive sequences");
+    // Its one ack after delivering the page settles every fragment: nothing is resent.
+    let set = first..=last;
+    hub.handle(
+        now,
+        peer,
+        &older_ack(conn, 1003, last, |s| set.contains(&s) || s <= first),
+    );
+    assert_eq!(hub.session(peer).unwrap().in_flight(), 0);
+    let later = now + Duration::from_secs(5);
+    hub.handle_timeout(later);
+    let resent = drain(&mut hub, later)
+        .iter()
+        .map(|(_, b)| Packet::decode(b).unwrap())
+        .filter(|p| p.ptype == PacketType::Data)
+        .count();
+    assert_eq!(resent, 0);
+}
