@@ -71,14 +71,11 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 schema_version: None,
                 document_type: if shared { None } else { Some((*id).to_owned()) },
                 title,
-                // The wire contract the document travels under (the published enum allows
-                // `cultnet.schema.v0` and `gamecult.networking.v0`); the Connect payload travels
-                // in the RUDP Connect packet, under none.
-                wire_contracts: if *id == ids::CONNECT {
-                    vec![]
-                } else {
-                    vec![WIRE_CONTRACT.to_owned()]
-                },
+                // The wire contract the documents travel under: the published enum allows
+                // `cultnet.schema.v0` and `gamecult.networking.v0`, and the Rust runtime's codec
+                // refuses a descriptor naming none (even the Connect payload's, which travels in
+                // the RUDP Connect packet).
+                wire_contracts: vec![WIRE_CONTRACT.to_owned()],
                 content_hash: content_hash(json),
                 schema_json: Some((*json).to_owned()),
             }

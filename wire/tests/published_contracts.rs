@@ -120,6 +120,16 @@ fn the_gateways_schema_catalog_conforms_with_and_without_the_json() {
         };
         let answer = Message::SchemaCatalogResponse(wire::contracts::answer(&req)).encode();
         assert_conforms("cultnet.schema-catalog-response.schema.json", &answer);
+        // Beyond the schema, cultnet-rs's codec (run against the gateway) refuses a catalog
+        // whose descriptor names no wire contract: "wireContracts must contain at least one
+        // supported contract".
+        for d in decoded(&answer)["schemas"].as_array().into_iter().flatten() {
+            assert!(
+                d["wireContracts"].as_array().is_some_and(|c| !c.is_empty()),
+                "{} names no wire contract",
+                d["schemaId"]
+            );
+        }
     }
 }
 
