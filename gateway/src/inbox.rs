@@ -907,6 +907,41 @@ impl Inbox {
         st.flush()?;
         Ok(())
     }
+
+    /// [`Inbox::store_receipt`] with the digest of the message sent, so a repeat of its request
+    /// id with another message can be told apart.
+    pub fn store_receipt_with_digest(
+        &self,
+        persona: &str,
+        receipt: &SendReceipt,
+        digest: &str,
+    ) -> Result<(), InboxError> {
+        let st = self.stores()?;
+        st.receipts.insert(
+            key(persona, receipt.request_id.as_bytes()),
+            encode(&(now_ms(), receipt, digest)),
+        )?;
+        st.flush()?;
+        Ok(())
+    }
+
+    /// The receipt of `request_id` and the digest of its message, when it was kept (receipts
+    /// stored before digests were kept have none).
+    pub fn receipt_with_digest(
+        &self,
+        persona: &str,
+        request_id: &str,
+    ) -> Result<Option<(SendReceipt, Option<String>)>, InboxError> {
+        let st = self.stores()?;
+        let k = key(persona, request_id.as_bytes());
+        let Some(v) = st.receipts.get(&k)? else {
+            return Ok(None);
+        };
+        if let Ok((_, r, digest)) = rmp_serde::from_slice::<(u64, SendReceipt, String)>(&v) {
+            return Ok(Some((r, Some(digest))));
+        }
+        decode_receipt(&k, &v).map(|(_, r)| Some((r, None)))
+    }
 }
 
 pub mod compact;
@@ -922,6 +957,9 @@ pub use retention::{Pruned, Retention};
 /// A stored receipt: when it was stored (`None` in the first layout) and the receipt.
 fn decode_receipt(k: &[u8], v: &[u8]) -> Result<(Option<u64>, SendReceipt), InboxError> {
     if let Ok((at, r)) = rmp_serde::from_slice::<(u64, SendReceipt)>(v) {
+        return Ok((Some(at), r));
+    }
+    if let Ok((at, r, _digest)) = rmp_serde::from_slice::<(u64, SendReceipt, String)>(v) {
         return Ok((Some(at), r));
     }
     Ok((None, decode(k, v)?))

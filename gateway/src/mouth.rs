@@ -86,6 +86,13 @@ pub enum MouthError {
     /// The receipt store failed.
     #[error("receipt store: {0}")]
     Store(String),
+    /// The request id was used before (or is in use now) for another message: a repeat must
+    /// carry the same room, text, thread and reply.
+    #[error("request id {request_id:?} was already used for another message")]
+    Reused {
+        /// The request id.
+        request_id: String,
+    },
 }
 
 impl MouthError {
@@ -97,7 +104,48 @@ impl MouthError {
                 | Self::UnknownRoom { .. }
                 | Self::NotHerRoom { .. }
                 | Self::Refused { .. }
+                | Self::Reused { .. }
         )
+    }
+}
+
+/// What makes two sends under one request id the same message: its room, text, thread and
+/// reply target (hex of a SHA-256 over them, each with its length).
+pub fn content_digest(req: &SendRequest) -> String {
+    let mut h = Sha256::new();
+    for part in [
+        Some(req.room.as_str()),
+        Some(req.text.as_str()),
+        req.thread_root.as_deref(),
+        req.reply_to.as_deref(),
+    ] {
+        match part {
+            Some(p) => {
+                h.update([1]);
+                h.update((p.len() as u64).to_be_bytes());
+                h.update(p.as_bytes());
+            }
+            None => h.update([0]),
+        }
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Marks a request id as being sent with a content digest; unmarked when dropped.
+struct Sending {
+    ids: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    id: String,
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        self.ids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
     }
 }
 
@@ -198,6 +246,8 @@ pub struct Mouth {
     retry_floor: Duration,
     retries: Arc<std::sync::atomic::AtomicU64>,
     metrics: Arc<crate::metrics::Metrics>,
+    /// Request ids being sent now, with their content digests.
+    sending: Arc<std::sync::Mutex<HashMap<String, String>>>,
 }
 
 impl std::fmt::Debug for Mouth {
@@ -224,6 +274,7 @@ impl Mouth {
             retry_floor: Duration::from_millis(500),
             retries: Arc::default(),
             metrics: crate::metrics::unserved(),
+            sending: Arc::default(),
         }
     }
 
@@ -247,6 +298,24 @@ impl Mouth {
     /// Sends (at most once per request id) and answers with the receipt.
     pub async fn send(&self, req: &SendRequest) -> SendReceipt {
         self.send_mentioning(req, None).await
+    }
+
+    /// A CultNet client's send: `req` carries the id the client owns (its agent and its id),
+    /// and the receipt names the id as the client gave it, `client_request_id`. A receipt kept
+    /// under that bare id, from before ids were owned, answers its repeat.
+    pub async fn send_for_client(&self, req: &SendRequest, client_request_id: &str) -> SendReceipt {
+        let earlier = self
+            .inbox
+            .receipt_with_digest(&self.persona, client_request_id)
+            .ok()
+            .flatten()
+            .filter(|(_, digest)| digest.is_none());
+        let mut receipt = match earlier {
+            Some((r, _)) => r,
+            None => self.send(req).await,
+        };
+        receipt.request_id = client_request_id.to_owned();
+        receipt
     }
 
     /// [`Mouth::send`] with `m.mentions` (see [`content`]): her own says name who they mention.
@@ -291,13 +360,36 @@ impl Mouth {
         mentions: Option<&[String]>,
     ) -> Result<SendReceipt, MouthError> {
         let store = |e: crate::inbox::InboxError| MouthError::Store(e.to_string());
-        if let Some(r) = self
+        let digest = content_digest(req);
+        let reused = || MouthError::Reused {
+            request_id: req.request_id.clone(),
+        };
+        if let Some((r, stored)) = self
             .inbox
-            .receipt(&self.persona, &req.request_id)
+            .receipt_with_digest(&self.persona, &req.request_id)
             .map_err(store)?
         {
+            // A receipt from before digests were kept answers any repeat.
+            if stored.is_some_and(|d| d != digest) {
+                return Err(reused());
+            }
             return Ok(r);
         }
+        // One message per request id in flight too: the same id with other content while the
+        // first is being sent would get the first's event (one transaction id) and be told ok.
+        let _sending = {
+            let mut ids = self.sending.lock().unwrap_or_else(|p| p.into_inner());
+            match ids.get(&req.request_id) {
+                Some(d) if *d != digest => return Err(reused()),
+                _ => {
+                    ids.insert(req.request_id.clone(), digest.clone());
+                }
+            }
+            Sending {
+                ids: self.sending.clone(),
+                id: req.request_id.clone(),
+            }
+        };
         if req.text.is_empty() || req.text.len() > MAX_TEXT_BYTES {
             return Err(MouthError::BadSize {
                 bytes: req.text.len(),
@@ -362,7 +454,7 @@ impl Mouth {
         };
         // Its flush hands this worker's other tasks on first (the inbox's own rule).
         self.inbox
-            .store_receipt(&self.persona, &receipt)
+            .store_receipt_with_digest(&self.persona, &receipt, &digest)
             .map_err(store)?;
         tracing::info!(persona = %self.persona, request = %req.request_id, event = %event_id, "sent");
         Ok(receipt)

@@ -77,6 +77,7 @@ use auth::pinned;
 pub use auth::Refusal;
 pub use limits::ClientLimits;
 use limits::{Budget, RefusalLog, Verdict};
+pub use mail::{owned_request_id, reserved_prefix, RESERVED_PREFIXES};
 use receipts::error;
 pub use receipts::{message_id, receipt_bytes, rfc3339};
 pub use remote::Remote;
@@ -155,8 +156,10 @@ pub enum Answer {
     Send {
         /// The request document's record key.
         record_key: String,
-        /// The request.
+        /// The request, its request id made the client's own ([`owned_request_id`]).
         request: wire::docs::SendRequest,
+        /// The request id as the client gave it, for its receipt.
+        client_request_id: String,
         /// Her mouth.
         mouth: Mouth,
         /// Counts the request against its client's in-flight limit until dropped.
@@ -504,7 +507,7 @@ impl Service {
         match req {
             Request::Pending(r) => self.pending_page(&key, r),
             Request::Ack(r) => self.ack(&key, r),
-            Request::Send(r) => self.send(key, r, in_flight),
+            Request::Send(r) => self.send(agent, key, r, in_flight),
             Request::Turn(r) => self.turn(agent, &key, r),
             Request::Status(r) => self.status_request(agent, &key, r),
             Request::Note(r) => self.note(&key, r),

@@ -583,3 +583,93 @@ async fn older_and_newer_rules_clients_each_do_pending_ack_send_against_the_bina
     }
     gw.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_belongs_to_the_client_that_chose_it() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (scene, gw, key, room) = setup("atk-ids", "", 0).await;
+    let addr = gw.cultnet_addr();
+    let room_id = room.room_id().to_string();
+    let say = |id: &str, text: &str| SendRequest {
+        request_id: id.into(),
+        persona: "vera".into(),
+        room: room_id.clone(),
+        text: text.into(),
+        ..SendRequest::default()
+    };
+    let mut organ = Client::connect(addr, "organ", &key, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let mut other = Client::connect(addr, "flooder", &flooder_key(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let a: SendReceipt = organ
+        .request(ids::SEND_REQUEST, "s1", &say("r-1", "the organ's line"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.status, a.request_id.as_str()),
+        (Status::Ok, "r-1"),
+        "{a:?}"
+    );
+    // Another client's same id is its own message, not the organ's receipt.
+    let b: SendReceipt = other
+        .request(
+            ids::SEND_REQUEST,
+            "s2",
+            &say("r-1", "the other client's line"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (b.status, b.request_id.as_str()),
+        (Status::Ok, "r-1"),
+        "{b:?}"
+    );
+    assert!(b.event_id.is_some());
+    assert_ne!(
+        b.event_id, a.event_id,
+        "answered from another client's receipt"
+    );
+    // The organ's repeat is answered from its receipt; the same id with another text is refused.
+    let again: SendReceipt = organ
+        .request(ids::SEND_REQUEST, "s3", &say("r-1", "the organ's line"))
+        .await
+        .unwrap();
+    assert_eq!((again.status, &again.event_id), (Status::Ok, &a.event_id));
+    let changed: SendReceipt = organ
+        .request(ids::SEND_REQUEST, "s4", &say("r-1", "something else"))
+        .await
+        .unwrap();
+    assert_eq!(changed.status, Status::Rejected, "{changed:?}");
+    assert!(changed
+        .error
+        .unwrap_or_default()
+        .contains("another message"));
+    // Her turn loop's ids are not for clients.
+    let taken: SendReceipt = organ
+        .request(
+            ids::SEND_REQUEST,
+            "s5",
+            &say("turn:vera:1-1:0", "in her name"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(taken.status, Status::Rejected, "{taken:?}");
+    organ.close().await;
+    other.close().await;
+    // The room holds each client's line once, and nothing else from her.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let said = said_by(&scene.ann, &room, "@vera:localhost").await;
+        if said.len() >= 2 {
+            let mut said = said;
+            said.sort();
+            assert_eq!(said, ["the organ's line", "the other client's line"]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the room has {said:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    gw.stop();
+}

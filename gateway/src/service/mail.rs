@@ -1,5 +1,10 @@
 //! Her mail for clients: a page of what is pending, acknowledging what they have read
 //! (group-committed, with her read receipt), and a say through her mouth.
+//!
+//! A send's request id belongs to the client that chose it: her mouth keys its receipt and the
+//! Matrix transaction by the agent and the id ([`owned_request_id`]), so two clients using the
+//! same ids each get their own message, and no client can take an id of the gateway's own (her
+//! turn loop's `turn:...`, refused here).
 
 use super::*;
 
@@ -33,10 +38,16 @@ impl Service {
     /// A say through her mouth, run on a task of its own (it may wait for the homeserver).
     pub(super) fn send(
         &mut self,
+        agent: &str,
         key: String,
         r: wire::docs::SendRequest,
         in_flight: &Arc<std::sync::atomic::AtomicUsize>,
     ) -> Vec<Answer> {
+        if let Some(prefix) = reserved_prefix(&r.request_id) {
+            let why =
+                format!("request ids beginning {prefix:?} are the gateway's own; choose another");
+            return vec![self.refusal(&Request::Send(r), &key, why)];
+        }
         let Some(mouth) = self.ports.get(&r.persona).and_then(|p| p.mouth.clone()) else {
             return vec![self.receipt(
                 ids::SEND_RECEIPT,
@@ -49,9 +60,15 @@ impl Service {
                 },
             )];
         };
+        let client_request_id = r.request_id.clone();
+        let request = wire::docs::SendRequest {
+            request_id: owned_request_id(agent, &r.request_id),
+            ..r
+        };
         vec![Answer::Send {
             record_key: key,
-            request: r,
+            request,
+            client_request_id,
             mouth,
             slot: InFlight::take(in_flight),
         }]
@@ -115,4 +132,22 @@ impl Service {
             }
         }
     }
+}
+
+/// Request ids the gateway gives its own sends (her turn loop's says, `turn:PERSONA:A-B:I`) and
+/// the prefix client ids are kept under: a client's id may begin with none of them.
+pub const RESERVED_PREFIXES: &[&str] = &["turn:", "checkpoint:", "client:"];
+
+/// The reserved prefix `request_id` begins with, if any.
+pub fn reserved_prefix(request_id: &str) -> Option<&'static str> {
+    RESERVED_PREFIXES
+        .iter()
+        .find(|p| request_id.starts_with(*p))
+        .copied()
+}
+
+/// The id her mouth keeps a client's send under: the agent's name and its request id, each
+/// with its length, so no two (agent, id) pairs meet and none meets the gateway's own ids.
+pub fn owned_request_id(agent: &str, request_id: &str) -> String {
+    format!("client:{}:{agent}:{request_id}", agent.len())
 }

@@ -328,13 +328,14 @@ pub(super) fn run_answer(
         Answer::Send {
             record_key,
             request,
+            client_request_id,
             mouth,
             slot,
         } => {
             let Ok(permit) = tasks.sends.clone().try_acquire_owned() else {
                 // Back-pressure instead of an unbounded pile of tasks; `failed` = retry later.
                 let receipt = SendReceipt {
-                    request_id: request.request_id,
+                    request_id: client_request_id,
                     status: Status::Failed,
                     error: Some(format!(
                         "{MAX_SENDS_IN_FLIGHT} sends are in flight; retry later"
@@ -348,7 +349,7 @@ pub(super) fn run_answer(
             let runtime_id = runtime_id.to_owned();
             let running = tasks.running.clone();
             tasks.runtime.spawn(async move {
-                let receipt = mouth.send(&request).await;
+                let receipt = mouth.send_for_client(&request, &client_request_id).await;
                 drop(permit);
                 drop(slot);
                 let bytes = receipt_bytes(&runtime_id, ids::SEND_RECEIPT, &record_key, &receipt);

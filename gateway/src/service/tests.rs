@@ -410,6 +410,45 @@ fn turns_wake_a_live_session_and_sends_need_a_running_persona() {
 }
 
 #[test]
+fn a_client_cannot_take_a_request_id_of_the_gateways_own() {
+    let mut f = fixture("reserved");
+    connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
+    for (i, id) in ["turn:mira:1-3:0", "checkpoint:mira:0:1", "client:5:other:x"]
+        .iter()
+        .enumerate()
+    {
+        let send = SendRequest {
+            request_id: (*id).into(),
+            persona: "mira".into(),
+            room: "!r:l".into(),
+            text: "hi".into(),
+            ..SendRequest::default()
+        };
+        let key = format!("k{i}");
+        let (_, _, r): (_, _, SendReceipt) =
+            receipt(&f.svc.handle(peer(1), &put(ids::SEND_REQUEST, &key, &send)));
+        assert_eq!((r.status, r.request_id.as_str()), (Status::Rejected, *id));
+        assert!(r.error.unwrap().contains("the gateway's own"), "{id}");
+    }
+}
+
+#[test]
+fn owned_request_ids_keep_agents_and_ids_apart() {
+    let a = owned_request_id("organ", "r-1");
+    assert_eq!(a, owned_request_id("organ", "r-1"));
+    assert_ne!(a, owned_request_id("heartbeat", "r-1"));
+    assert_ne!(a, owned_request_id("organ", "r-2"));
+    // No (agent, id) pair meets another by where the colon falls.
+    assert_ne!(owned_request_id("a:b", "c"), owned_request_id("a", "b:c"));
+    assert!(
+        reserved_prefix(&a).is_some(),
+        "owned ids are out of clients' reach"
+    );
+    assert_eq!(reserved_prefix("turn:vera:1-1:0"), Some("turn:"));
+    assert_eq!(reserved_prefix("ops-1"), None);
+}
+
+#[test]
 fn rfc3339_matches_known_instants() {
     assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
     assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
