@@ -686,7 +686,7 @@ async fn a_cultnet_client_reads_acks_and_speaks_through_her() {
     // An operator's tool key, made the way the README says: `cultnet-gateway keygen`.
     let tool_key = dir.join("tool.key");
     let keygen = std::process::Command::new(tests::matrix::gateway_bin())
-        .args(["keygen", "--agent", "ops", "--out"])
+        .args(["keygen", "--agent", "ops", "--persona", "vera", "--out"])
         .arg(&tool_key)
         .output()
         .unwrap();

@@ -143,7 +143,7 @@ pub(crate) enum SessionVerb {
 
 /// Writes a new signing key (its seed, 64 hex digits, mode 0600) and prints the public key
 /// with the config block that lets it in.
-pub(crate) fn keygen(out: &Path, agent: &str) -> Result<(), Failure> {
+pub(crate) fn keygen(out: &Path, agent: &str, personas: &[String]) -> Result<(), Failure> {
     if out.exists() {
         return Err(Failure::input(anyhow::anyhow!(
             "{} exists; not overwriting a key",
@@ -163,10 +163,22 @@ pub(crate) fn keygen(out: &Path, agent: &str) -> Result<(), Failure> {
     let key = SigningKey::from_bytes(&seed);
     write_private(out, &hex(&seed)).with_context(|| format!("writing {}", out.display()))?;
     let public = hex(key.verifying_key().as_bytes());
-    println!(
-        "# add to the gateway's config:\n[[cultnet.client]]\nagent_id = {agent:?}\npublic_key = \"{public}\"\npersonas = [\"*\"]"
-    );
+    println!("{}", grant_block(agent, &public, personas));
     Ok(())
+}
+
+/// The `[[cultnet.client]]` block `keygen` prints: the least grant (the Personas named, reading
+/// their mail and the status), and a comment naming the rest.
+fn grant_block(agent: &str, public: &str, personas: &[String]) -> String {
+    let personas: Vec<String> = personas.iter().map(|p| format!("{p:?}")).collect();
+    format!(
+        "# add to the gateway's config. It may read the mail of the Personas named and the status;\n\
+         # add to `verbs` what it needs: \"ack\", \"send\", \"turn\", \"note\", \"extensions\", and\n\
+         # \"session\" (reset, compact, switch model) for an operator's tool only.\n\
+         [[cultnet.client]]\nagent_id = {agent:?}\npublic_key = \"{public}\"\npersonas = [{}]\n\
+         verbs = [\"pending\", \"status\"]",
+        personas.join(", ")
+    )
 }
 
 fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
@@ -396,4 +408,38 @@ pub(crate) fn run(
 
 fn json<T: Serialize>(v: &T) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize)]
+    struct Blocks {
+        cultnet: Cultnet,
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Cultnet {
+        client: Vec<gateway::config::Client>,
+    }
+
+    #[test]
+    fn keygen_prints_the_least_grant_as_a_block_the_config_takes() {
+        let block = grant_block("ops", &"ab".repeat(32), &["vera".to_owned()]);
+        let parsed: Blocks = toml::from_str(&block).expect("a [[cultnet.client]] block");
+        let c = &parsed.cultnet.client[0];
+        assert_eq!(c.agent_id, "ops");
+        assert!(c.allows_persona("vera"));
+        assert!(!c.allows_persona("mira"), "one Persona, not all");
+        let mut verbs = c.verbs.clone();
+        verbs.sort_by_key(|v| format!("{v:?}"));
+        assert_eq!(
+            verbs,
+            [
+                gateway::config::Verb::Pending,
+                gateway::config::Verb::Status
+            ]
+        );
+    }
 }

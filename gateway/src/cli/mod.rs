@@ -81,6 +81,10 @@ enum Command {
         /// The agent id to print in the config block.
         #[arg(long, default_value = "operator-tool")]
         agent: String,
+        /// The Persona it acts for (repeat for more; `*` grants every Persona). The block
+        /// printed grants only reading her mail and the status; add verbs as it needs.
+        #[arg(long = "persona", required = true)]
+        personas: Vec<String>,
     },
     /// Talk to a running gateway as a CultNet client: status, pending, ack, send, turn, note,
     /// extensions, session. Prints the receipt as JSON.
@@ -166,7 +170,11 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             out,
         } => report(&config, persona.as_deref(), &out),
         Command::Check { config } => check(&config),
-        Command::Keygen { out, agent } => client::keygen(&out, &agent),
+        Command::Keygen {
+            out,
+            agent,
+            personas,
+        } => client::keygen(&out, &agent, &personas),
         Command::Client {
             gateway,
             agent,
