@@ -74,7 +74,7 @@ mod run;
 mod status;
 
 use auth::pinned;
-pub use auth::Refusal;
+pub use auth::{Refusal, NOT_ADMITTED};
 pub use limits::ClientLimits;
 use limits::{Budget, RefusalLog, Verdict};
 pub use mail::{owned_request_id, reserved_prefix, RESERVED_PREFIXES};
@@ -428,7 +428,7 @@ impl Service {
         let agent = agent.to_owned();
         if &*frame.channel != CHANNEL {
             self.stats.bad_messages += 1;
-            tracing::debug!(%peer, channel = %frame.channel, "frame on another channel ignored");
+            tracing::debug!(%peer, channel = ?frame.channel, "frame on another channel ignored");
             return Vec::new();
         }
         let message = match Message::decode(&frame.payload) {
@@ -443,7 +443,7 @@ impl Service {
             // otherwise ping-pong with us forever.
             Message::Hello(h) => {
                 if !self.greeted.insert(peer) {
-                    tracing::debug!(%peer, runtime = %h.runtime_id, "repeated hello not answered");
+                    tracing::debug!(%peer, runtime = ?h.runtime_id, "repeated hello not answered");
                     return Vec::new();
                 }
                 vec![Answer::Reply(Bytes::from(
@@ -452,7 +452,7 @@ impl Service {
             }
             // Never answered, for the same reason.
             Message::Error(e) => {
-                tracing::warn!(%peer, %agent, "client reports an error: {}", e.error);
+                tracing::warn!(%peer, %agent, error = ?e.error, "client reports an error");
                 Vec::new()
             }
             Message::SchemaCatalogRequest(req) => vec![Answer::Reply(Bytes::from(
@@ -492,7 +492,7 @@ impl Service {
         };
         if let Err(why) = self.permit(agent, &req) {
             self.stats.rejected += 1;
-            tracing::warn!(%agent, record = %key, "request refused: {why}");
+            tracing::warn!(%agent, record = ?key, why = ?why, "request refused");
             return vec![self.refusal(&req, &key, why)];
         }
         let running = in_flight.load(Ordering::Relaxed);

@@ -673,3 +673,54 @@ async fn a_request_id_belongs_to_the_client_that_chose_it() {
     }
     gw.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_strings_cannot_forge_a_line_of_the_log() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_scene, gw, key, _room) = setup("atk-log", "", 0).await;
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &key, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let forged = "2026-01-01T00:00:00.000000Z  INFO forged: all is well";
+    // Its own error message, and a refused request whose record key carries a line of its own.
+    c.send_raw(
+        Message::Error(wire::msg::ErrorMsg {
+            error: format!("oops\n{forged}"),
+        })
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let refused: Result<PendingPage, ClientError> = c
+        .request(
+            ids::PENDING_REQUEST,
+            &format!("k\r\n{forged}"),
+            &PendingRequest {
+                persona: "someone-else".into(),
+                after_seq: 0,
+                limit: None,
+                reply_bytes: None,
+            },
+        )
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    c.close().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !gw.log().contains("request refused") {
+        assert!(
+            Instant::now() < deadline,
+            "no refusal logged:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = gw.log();
+    assert!(log.contains("client reports an error"), "{log}");
+    assert!(
+        !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00")),
+        "a client wrote a line of the log:\n{log}"
+    );
+    // Written escaped instead.
+    assert!(log.contains("\\n2026-01-01T00:00:00"), "{log}");
+    gw.stop();
+}

@@ -7,7 +7,7 @@ use super::*;
 /// Connect nonces remembered at most (older ones are beyond the skew window anyway).
 pub(super) const MAX_NONCES: usize = 100_000;
 
-/// Why a Connect was refused (the client is told the same text).
+/// Why a Connect was refused: all of it in the log, [`Refusal::to_client`] to the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
@@ -22,7 +22,22 @@ pub enum Refusal {
     Replay(String),
 }
 
+/// What a client is told when its agent is unknown or its signature does not verify: the same
+/// words for both, so a stranger cannot learn which agent ids are configured.
+pub const NOT_ADMITTED: &str = "connect refused: unknown agent or bad signature";
+
 impl Refusal {
+    /// What the client is told: the reason, except that an unknown agent and a bad signature
+    /// read the same ([`NOT_ADMITTED`]).
+    pub fn to_client(&self) -> String {
+        match self {
+            Self::UnknownAgent(_) | Self::Auth(AuthError::BadSignature(_)) => {
+                NOT_ADMITTED.to_owned()
+            }
+            other => other.to_string(),
+        }
+    }
+
     /// A short name for the reason (a metrics label).
     pub fn reason(&self) -> &'static str {
         match self {
@@ -80,7 +95,9 @@ impl Service {
                 self.stats.refused += 1;
                 self.metrics.refused(why.reason());
                 if let Some(held_back) = self.refusals.admit(peer.ip(), std::time::Instant::now()) {
-                    tracing::warn!(%peer, held_back, "CultNet connect refused: {why}");
+                    // What a client sent is written escaped (quoted, control characters
+                    // spelled out): it cannot forge a line of the log.
+                    tracing::warn!(%peer, held_back, reason = why.reason(), detail = ?why.to_string(), "CultNet connect refused");
                 }
             }
         }

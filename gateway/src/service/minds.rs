@@ -19,7 +19,7 @@ impl Service {
         }
         let receipt = match self.inbox.put_note(&r, crate::clock::unix_ms()) {
             Ok(put) => {
-                tracing::info!(persona = %r.persona, note = %r.note_id, kind = %r.kind, wake = r.wake, duplicate = put.duplicate, "note stored");
+                tracing::info!(persona = %r.persona, note = ?r.note_id, kind = ?r.kind, wake = r.wake, duplicate = put.duplicate, "note stored");
                 if r.wake && !put.duplicate {
                     trigger.notify_one();
                 }

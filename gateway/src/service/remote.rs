@@ -144,7 +144,7 @@ pub(super) fn remote_event(
                     let _ = verdict.send(Ok(()));
                 }
                 Err(why) => {
-                    let _ = verdict.send(Err(why.to_string()));
+                    let _ = verdict.send(Err(why.to_client()));
                 }
             }
         }

@@ -263,7 +263,7 @@ pub(super) fn endpoint_event(
             let peer = req.peer;
             match service.authenticate(peer, &req.payload, now) {
                 Ok(_) => endpoint.accept(req),
-                Err(why) => endpoint.refuse(req, &why.to_string()),
+                Err(why) => endpoint.refuse(req, &why.to_client()),
             }
             // One rule for every verdict, since verdicts are applied as they are made: if no
             // session is open for the address now, no record of a peer stays. That covers an

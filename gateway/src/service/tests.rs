@@ -410,6 +410,19 @@ fn turns_wake_a_live_session_and_sends_need_a_running_persona() {
 }
 
 #[test]
+fn an_unknown_agent_and_a_bad_signature_read_the_same_to_the_client() {
+    let mut f = fixture("same-words");
+    let unknown = connect(&mut f.svc, peer(1), "stranger", 1, "u1").unwrap_err();
+    // organ's id with another key's signature.
+    let forged = connect(&mut f.svc, peer(2), "organ", 9, "u2").unwrap_err();
+    assert!(matches!(unknown, Refusal::UnknownAgent(_)));
+    assert!(matches!(forged, Refusal::Auth(AuthError::BadSignature(_))));
+    assert_eq!(unknown.to_client(), forged.to_client());
+    // The log keeps them apart.
+    assert_ne!(unknown.to_string(), forged.to_string());
+}
+
+#[test]
 fn a_client_cannot_take_a_request_id_of_the_gateways_own() {
     let mut f = fixture("reserved");
     connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
