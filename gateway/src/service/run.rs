@@ -30,6 +30,9 @@ pub async fn serve_with(
     serve_updating(service, endpoint, remote, None, stop).await;
 }
 
+/// What a client whose key a reload changed or removed is told as its session ends.
+pub(super) const KEY_CHANGED: &str = "your key was changed or removed from the gateway's config";
+
 /// QUIC events the loop takes in one batch at most (their acks share one flush).
 pub(super) const BATCH: usize = 256;
 
@@ -63,7 +66,16 @@ pub async fn serve_updating(
             () = endpoint.ready() => {}
             u = update => {
                 match u {
-                    Some(u) => service.update(u),
+                    Some(u) => {
+                        for peer in service.update(u) {
+                            match quic.remove(&peer) {
+                                Some(q) => {
+                                    q.out.cut();
+                                }
+                                None => endpoint.finish(peer, KEY_CHANGED),
+                            }
+                        }
+                    }
                     None => updates = None,
                 }
                 continue;
@@ -480,9 +492,28 @@ pub async fn start(
 }
 
 impl Service {
-    /// Takes a reloaded config's clients and the Personas as they now run.
-    pub fn update(&mut self, mut u: Update) {
-        self.clients = pinned(&u.clients);
+    /// Takes a reloaded config's clients and the Personas as they now run. Returns the peers
+    /// whose agent is gone or whose key changed: their sessions end (forgotten here; the loop
+    /// closes them), since what let them in no longer would.
+    pub fn update(&mut self, mut u: Update) -> Vec<SocketAddr> {
+        let clients = pinned(&u.clients);
+        let ended: Vec<SocketAddr> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| {
+                let before = self.clients.get(&p.agent).map(|(k, _)| k.to_bytes());
+                let now = clients.get(&p.agent).map(|(k, _)| k.to_bytes());
+                now.is_none() || now != before
+            })
+            .map(|(peer, _)| *peer)
+            .collect();
+        for peer in &ended {
+            if let Some(p) = self.peers.get(peer) {
+                tracing::info!(%peer, agent = %p.agent, "CultNet session ended: its key was changed or removed");
+            }
+            self.forget(*peer);
+        }
+        self.clients = clients;
         let clients = &self.clients;
         self.agents.retain(|agent, _| clients.contains_key(agent));
         self.ports = std::mem::take(&mut u.ports);
@@ -494,5 +525,6 @@ impl Service {
         if let Some(done) = u.applied.take() {
             let _ = done.send(());
         }
+        ended
     }
 }

@@ -423,6 +423,44 @@ fn an_unknown_agent_and_a_bad_signature_read_the_same_to_the_client() {
 }
 
 #[test]
+fn a_reload_that_changes_or_removes_a_key_ends_that_agents_sessions() {
+    let mut f = fixture("rekeyed");
+    connect(&mut f.svc, peer(1), "organ", 1, "r1").unwrap();
+    connect(&mut f.svc, peer(2), "heartbeat", 2, "r2").unwrap();
+    let mut ports = BTreeMap::new();
+    ports.insert("mira".to_owned(), port(None));
+    // organ's key rotated; heartbeat's unchanged.
+    let ended = f.svc.update(Update {
+        clients: vec![
+            client("organ", 3, &["mira"], &Verb::ALL),
+            client("heartbeat", 2, &["*"], &[Verb::Status, Verb::Turn]),
+        ],
+        ports: ports.clone(),
+        applied: None,
+    });
+    assert_eq!(ended, [peer(1)]);
+    let status = StatusRequest::default();
+    assert!(
+        f.svc
+            .handle(peer(1), &put(ids::STATUS_REQUEST, "s1", &status))
+            .is_empty(),
+        "the old key's session still answered"
+    );
+    assert!(!f
+        .svc
+        .handle(peer(2), &put(ids::STATUS_REQUEST, "s2", &status))
+        .is_empty());
+    // Removed altogether: its session ends too; the new key gets in.
+    connect(&mut f.svc, peer(3), "organ", 3, "r3").unwrap();
+    let ended = f.svc.update(Update {
+        clients: vec![client("organ", 3, &["mira"], &Verb::ALL)],
+        ports,
+        applied: None,
+    });
+    assert_eq!(ended, [peer(2)]);
+}
+
+#[test]
 fn a_client_cannot_take_a_request_id_of_the_gateways_own() {
     let mut f = fixture("reserved");
     connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
