@@ -49,7 +49,9 @@ pub struct TokenLabels {
 /// Why a Connect was refused.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
-    /// `malformed`, `bad_signature`, `stale`, `unknown_agent`, `replay`.
+    /// `malformed`, `bad_signature`, `stale`, `unknown_agent`, `replay`, `address_budget`,
+    /// `agent_quota`; QUIC before any Connect: `quic_busy` (every place taken),
+    /// `quic_busy_address` (its address holds all it may), `quic_evicted` (closed for a newer one).
     pub reason: String,
 }
 

@@ -9,7 +9,10 @@
 //!
 //! Before a connection is authenticated it gets little: new connections must prove their
 //! address (a Retry round trip), at most [`MAX_UNAUTHENTICATED`] are in their handshake or
-//! waiting for their Connect frame at once (more are refused), that first frame may be at most
+//! waiting for their Connect frame at once, at most [`MAX_UNAUTHENTICATED_PER_ADDRESS`] of them
+//! from one address (more from it are refused); when all are taken the oldest is closed to make
+//! room ([`PreAuth`]), so a remote that opens handshakes and never sends a Connect cannot keep
+//! everyone out. That first frame may be at most
 //! [`PRE_AUTH_FRAME`] bytes and must arrive within [`CONNECT_WAIT`], and each connection may
 //! open one stream whose receive window is [`RECEIVE_WINDOW`]. So a flood of connections
 //! costs a bounded amount of memory, and authenticated clients keep being served.
@@ -19,9 +22,10 @@
 //! certificate and connect with the server name `cultnet-gateway`. Its SHA-256 is logged at
 //! start.
 
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -29,7 +33,7 @@ use quinn::rustls;
 use quinn::rustls::pki_types::pem::PemObject;
 use quinn::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use wire::msg::FrameDecoder;
 
 use crate::answers::{answer_queue, AnswerRx};
@@ -47,6 +51,8 @@ pub const PRE_AUTH_FRAME: usize = 4 * 1024;
 pub const CONNECT_WAIT: Duration = Duration::from_secs(3);
 /// Connections in their handshake or not yet authenticated, at most; more are refused.
 pub const MAX_UNAUTHENTICATED: usize = 64;
+/// Unauthenticated connections from one address (its IP), at most; more from it are refused.
+pub const MAX_UNAUTHENTICATED_PER_ADDRESS: usize = 8;
 /// Authenticated connections, at most; more are refused.
 pub const MAX_CONNECTIONS: usize = 256;
 /// Answers queued for one connection while its stream is blocked (the client not reading);
@@ -222,7 +228,10 @@ pub async fn accept(
     metrics: Arc<crate::metrics::Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let unauthenticated = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
+    let unauthenticated = Arc::new(Mutex::new(PreAuth::new(
+        MAX_UNAUTHENTICATED,
+        MAX_UNAUTHENTICATED_PER_ADDRESS,
+    )));
     let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let incoming = tokio::select! {
@@ -235,13 +244,36 @@ pub async fn accept(
             let _ = incoming.retry();
             continue;
         }
-        let (Ok(pre), Ok(slot)) = (
-            unauthenticated.clone().try_acquire_owned(),
-            connections.clone().try_acquire_owned(),
-        ) else {
+        let Ok(slot) = connections.clone().try_acquire_owned() else {
             metrics.refused("quic_busy");
             incoming.refuse();
             continue;
+        };
+        let admitted = unauthenticated
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(incoming.remote_address().ip());
+        let pre = match admitted {
+            Admit::Refused => {
+                metrics.refused("quic_busy_address");
+                incoming.refuse();
+                continue;
+            }
+            Admit::In {
+                id,
+                cancel,
+                evicted,
+            } => {
+                if let Some(oldest) = evicted {
+                    metrics.refused("quic_evicted");
+                    oldest.notify_one();
+                }
+                Ticket {
+                    id,
+                    cancel,
+                    table: unauthenticated.clone(),
+                }
+            }
         };
         let remote = remote.clone();
         let stop = stop.clone();
@@ -277,18 +309,141 @@ pub async fn accept(
     let _ = tokio::time::timeout(GOODBYE_WAIT, endpoint.wait_idle()).await;
 }
 
+/// What a connection closed to make room for a newer one is told.
+const EVICTED: &[u8] = b"closed by the gateway: no Connect yet, and its place was needed";
+
+/// The connections not yet authenticated: at most `max` in all and `per_address` from one
+/// address. A newcomer from an address at its cap is refused; one that finds every place taken
+/// gets the oldest's, which is told to close. Pure bookkeeping: the accept loop acts on it.
+#[derive(Debug)]
+pub struct PreAuth {
+    max: usize,
+    per_address: usize,
+    next: u64,
+    /// Oldest first: its address and how to tell it to close.
+    waiting: BTreeMap<u64, (IpAddr, Arc<Notify>)>,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// [`PreAuth::admit`]'s answer.
+#[derive(Debug)]
+pub enum Admit {
+    /// Its address has all the places it may hold.
+    Refused,
+    /// In, as `id`; `cancel` tells it to close; `evicted` is the oldest, to be told so.
+    In {
+        /// Its place.
+        id: u64,
+        /// Notified when it must close to make room.
+        cancel: Arc<Notify>,
+        /// The connection that gave up its place, if one had to.
+        evicted: Option<Arc<Notify>>,
+    },
+}
+
+impl PreAuth {
+    /// A table of `max` places, `per_address` for one address.
+    pub fn new(max: usize, per_address: usize) -> Self {
+        Self {
+            max: max.max(1),
+            per_address: per_address.max(1),
+            next: 0,
+            waiting: BTreeMap::new(),
+            per_ip: HashMap::new(),
+        }
+    }
+
+    /// A newcomer from `ip`.
+    pub fn admit(&mut self, ip: IpAddr) -> Admit {
+        if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.per_address {
+            return Admit::Refused;
+        }
+        let evicted = if self.waiting.len() >= self.max {
+            self.waiting
+                .keys()
+                .next()
+                .copied()
+                .and_then(|oldest| self.remove(oldest))
+        } else {
+            None
+        };
+        let id = self.next;
+        self.next += 1;
+        let cancel = Arc::new(Notify::new());
+        self.waiting.insert(id, (ip, cancel.clone()));
+        *self.per_ip.entry(ip).or_default() += 1;
+        Admit::In {
+            id,
+            cancel,
+            evicted,
+        }
+    }
+
+    /// Place `id` is free: authenticated, ended, or evicted. Its closer, if it still held it.
+    pub fn remove(&mut self, id: u64) -> Option<Arc<Notify>> {
+        let (ip, cancel) = self.waiting.remove(&id)?;
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+        }
+        Some(cancel)
+    }
+
+    /// Places taken.
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// No place taken.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
+/// A connection's place in [`PreAuth`], given back when dropped (authenticated or gone).
+struct Ticket {
+    id: u64,
+    cancel: Arc<Notify>,
+    table: Arc<Mutex<PreAuth>>,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(self.id);
+    }
+}
+
 async fn connection(
     incoming: quinn::Incoming,
     remote: mpsc::Sender<Remote>,
-    pre_auth: tokio::sync::OwnedSemaphorePermit,
+    pre_auth: Ticket,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let mut frames = FrameDecoder::new(PRE_AUTH_FRAME);
-    // Handshake, stream and Connect frame, all within CONNECT_WAIT, read in small pieces.
+    // Handshake, stream and Connect frame, all within CONNECT_WAIT, read in small pieces;
+    // given up at once when a newer connection needs its place.
+    let cancel = pre_auth.cancel.clone();
     let opened = tokio::time::timeout(CONNECT_WAIT, async {
         let conn = incoming.await?;
-        let (send, mut recv) = conn.accept_bi().await?;
-        let first = next_frame(&mut recv, &mut frames, PRE_AUTH_FRAME).await;
+        let (send, mut recv) = tokio::select! {
+            s = conn.accept_bi() => s?,
+            () = cancel.notified() => {
+                conn.close(3u32.into(), EVICTED);
+                anyhow::bail!("closed before its Connect to make room");
+            }
+        };
+        let first = tokio::select! {
+            f = next_frame(&mut recv, &mut frames, PRE_AUTH_FRAME) => f,
+            () = cancel.notified() => {
+                conn.close(3u32.into(), EVICTED);
+                anyhow::bail!("closed before its Connect to make room");
+            }
+        };
         anyhow::Ok((conn, send, recv, first))
     })
     .await;
@@ -410,5 +565,73 @@ async fn next_frame(
             Some(chunk) => frames.push(&chunk.bytes),
             None => return Ok(None),
         }
+    }
+}
+
+#[cfg(test)]
+mod pre_auth_tests {
+    use super::*;
+
+    fn ip(n: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, n])
+    }
+
+    fn id_of(a: &Admit) -> u64 {
+        match a {
+            Admit::In { id, .. } => *id,
+            Admit::Refused => panic!("refused"),
+        }
+    }
+
+    #[test]
+    fn one_address_holds_at_most_its_share() {
+        let mut t = PreAuth::new(64, 2);
+        id_of(&t.admit(ip(1)));
+        let second = id_of(&t.admit(ip(1)));
+        assert!(matches!(t.admit(ip(1)), Admit::Refused));
+        // Another address is not held up by it.
+        id_of(&t.admit(ip(2)));
+        // A place given back is the address's again.
+        t.remove(second);
+        id_of(&t.admit(ip(1)));
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn when_every_place_is_taken_the_oldest_makes_room() {
+        let mut t = PreAuth::new(3, 8);
+        let first = t.admit(ip(1));
+        let Admit::In {
+            cancel: first_cancel,
+            ..
+        } = &first
+        else {
+            panic!()
+        };
+        id_of(&t.admit(ip(2)));
+        id_of(&t.admit(ip(3)));
+        match t.admit(ip(4)) {
+            Admit::In {
+                evicted: Some(e), ..
+            } => assert!(Arc::ptr_eq(&e, first_cancel), "not the oldest"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t.len(), 3);
+        // The evicted one's own goodbye frees nothing more.
+        assert!(t.remove(id_of(&first)).is_none());
+        assert_eq!(t.len(), 3);
+    }
+
+    #[test]
+    fn many_handshakes_from_one_address_cannot_keep_another_out() {
+        let mut t = PreAuth::new(64, 8);
+        let mut refused = 0;
+        for _ in 0..500 {
+            if matches!(t.admit(ip(9)), Admit::Refused) {
+                refused += 1;
+            }
+        }
+        assert_eq!(refused, 492);
+        assert!(matches!(t.admit(ip(1)), Admit::In { evicted: None, .. }));
     }
 }

@@ -74,9 +74,9 @@ mod run;
 mod status;
 
 use auth::pinned;
-pub use auth::{Refusal, NOT_ADMITTED};
+pub use auth::{Refusal, MAX_NONCES_PER_AGENT, NOT_ADMITTED};
 pub use limits::ClientLimits;
-use limits::{Budget, RefusalLog, Verdict};
+use limits::{Budget, RefusalLog, Verdict, VerifyBudget};
 pub use mail::{owned_request_id, reserved_prefix, RESERVED_PREFIXES};
 use receipts::error;
 pub use receipts::{message_id, receipt_bytes, rfc3339};
@@ -267,6 +267,12 @@ pub struct Service {
     greeted: std::collections::HashSet<SocketAddr>,
     /// Nonces used, with when they were signed and the address that used them.
     nonces: HashMap<(String, String), (u64, SocketAddr)>,
+    /// Nonces remembered per agent (each agent has its own quota of them).
+    nonce_counts: HashMap<String, usize>,
+    /// Each agent's quota ([`MAX_NONCES_PER_AGENT`]).
+    nonce_quota: usize,
+    /// Each address's budget of signature checks.
+    verifies: VerifyBudget,
     stats: ServiceStats,
     limits: ClientLimits,
     /// Where Connects, peers and limits are counted.
@@ -303,6 +309,9 @@ impl Service {
             agents: HashMap::new(),
             greeted: Default::default(),
             nonces: HashMap::new(),
+            nonce_counts: HashMap::new(),
+            nonce_quota: MAX_NONCES_PER_AGENT,
+            verifies: VerifyBudget::default(),
             stats: ServiceStats::default(),
             limits: ClientLimits::default(),
             metrics: crate::metrics::unserved(),

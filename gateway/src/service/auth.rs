@@ -4,8 +4,9 @@
 
 use super::*;
 
-/// Connect nonces remembered at most (older ones are beyond the skew window anyway).
-pub(super) const MAX_NONCES: usize = 100_000;
+/// Connect nonces remembered per agent at most (older ones are beyond the skew window anyway):
+/// an agent that connects more often within the window is refused, and only it.
+pub const MAX_NONCES_PER_AGENT: usize = 10_000;
 
 /// Why a Connect was refused: all of it in the log, [`Refusal::to_client`] to the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,6 +21,12 @@ pub enum Refusal {
     /// This nonce was used before.
     #[error("nonce already used by agent {0:?} (replayed connect)")]
     Replay(String),
+    /// This address has spent its budget of signature checks.
+    #[error("too many connects from this address; retry later")]
+    AddressBudget,
+    /// This agent connected more often than its quota within the skew window.
+    #[error("agent {0:?} connected too often within the time window; retry later")]
+    AgentQuota(String),
 }
 
 /// What a client is told when its agent is unknown or its signature does not verify: the same
@@ -46,6 +53,8 @@ impl Refusal {
             Self::Auth(_) => "malformed",
             Self::UnknownAgent(_) => "unknown_agent",
             Self::Replay(_) => "replay",
+            Self::AddressBudget => "address_budget",
+            Self::AgentQuota(_) => "agent_quota",
         }
     }
 }
@@ -119,24 +128,38 @@ impl Service {
         // nonces are remembered, so a forger cannot poison this). From the address that used
         // it first, it is that client resending its Connect (its first was dropped from a full
         // waiting room, or answered after it timed out): it is let through.
-        if let Some((_, from)) = self.nonces.get(&(p.agent_id.clone(), p.nonce.clone())) {
-            if *from != peer {
-                return Err(Refusal::Replay(p.agent_id));
-            }
-            p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
-            return Ok(p.agent_id);
+        let replayed = self
+            .nonces
+            .get(&(p.agent_id.clone(), p.nonce.clone()))
+            .map(|(_, from)| *from);
+        if replayed.is_some_and(|from| from != peer) {
+            return Err(Refusal::Replay(p.agent_id));
+        }
+        // Every signature check is charged to the address asking for it, before it is made.
+        if !self.verifies.take(peer, now_ms) {
+            return Err(Refusal::AddressBudget);
         }
         p.verify(key, self.connection_id, now_ms, self.max_skew_ms)?;
-        // A nonce older than twice the skew cannot pass the time check again: forget those
-        // once there are a few.
-        let horizon = now_ms.saturating_sub(self.max_skew_ms.saturating_mul(2));
-        if self.nonces.len() >= 1024 {
-            self.nonces.retain(|_, (at, _)| *at >= horizon);
+        if replayed.is_some() {
+            return Ok(p.agent_id);
         }
-        if self.nonces.len() >= MAX_NONCES {
-            // Only a flood of valid, fresh connects gets here; forgetting the oldest half
-            // would reopen a replay window, so refuse until they age out.
-            return Err(Refusal::Replay(p.agent_id));
+        // A nonce older than twice the skew cannot pass the time check again: forget those
+        // once there are a few, or when this agent is at its quota.
+        let horizon = now_ms.saturating_sub(self.max_skew_ms.saturating_mul(2));
+        let at_quota =
+            |s: &Self| s.nonce_counts.get(&p.agent_id).copied().unwrap_or(0) >= s.nonce_quota;
+        if self.nonces.len() >= 1024 || at_quota(self) {
+            self.nonces.retain(|_, (at, _)| *at >= horizon);
+            let mut counts: HashMap<String, usize> = HashMap::new();
+            for (agent, _) in self.nonces.keys() {
+                *counts.entry(agent.clone()).or_default() += 1;
+            }
+            self.nonce_counts = counts;
+        }
+        if at_quota(self) {
+            // Only a flood of valid, fresh connects of this agent gets here; forgetting its
+            // oldest would reopen a replay window, so it is refused until they age out.
+            return Err(Refusal::AgentQuota(p.agent_id));
         }
         let fresh = self
             .nonces
@@ -145,6 +168,7 @@ impl Service {
         if !fresh {
             return Err(Refusal::Replay(p.agent_id));
         }
+        *self.nonce_counts.entry(p.agent_id.clone()).or_default() += 1;
         Ok(p.agent_id)
     }
 

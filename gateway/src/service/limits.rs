@@ -192,3 +192,63 @@ mod tests {
         assert_eq!(log.admit(ip(1), t2), Some(249 - 10));
     }
 }
+
+/// Connects from one address whose signature is checked, at most, per second sustained...
+pub const VERIFIES_PER_SEC: f64 = 20.0;
+/// ...and at once above that rate.
+pub const VERIFY_BURST: f64 = 40.0;
+/// Addresses tracked at most; past it the ones with a full bucket are forgotten.
+const VERIFY_ADDRESSES: usize = 4096;
+
+/// Each source address's budget of signature checks (an ed25519 verify costs the service's one
+/// thread tens of microseconds): a process sending Connects with bad signatures from one
+/// address is refused before any is checked once it spends its budget, and other addresses
+/// are not touched. Pure: time is passed in (ms).
+#[derive(Debug, Default)]
+pub struct VerifyBudget {
+    buckets: HashMap<std::net::SocketAddr, (f64, u64)>,
+}
+
+impl VerifyBudget {
+    /// Takes one check for `peer` at `now_ms`; `false` when its budget is spent.
+    pub fn take(&mut self, peer: std::net::SocketAddr, now_ms: u64) -> bool {
+        if self.buckets.len() >= VERIFY_ADDRESSES {
+            self.buckets.retain(|_, (tokens, last)| {
+                let refilled =
+                    *tokens + now_ms.saturating_sub(*last) as f64 / 1000.0 * VERIFIES_PER_SEC;
+                refilled < VERIFY_BURST
+            });
+        }
+        let (tokens, last) = self.buckets.entry(peer).or_insert((VERIFY_BURST, now_ms));
+        *tokens = (*tokens + now_ms.saturating_sub(*last) as f64 / 1000.0 * VERIFIES_PER_SEC)
+            .min(VERIFY_BURST);
+        *last = now_ms.max(*last);
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod verify_budget_tests {
+    use super::*;
+
+    fn addr(port: u16) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn an_address_gets_its_burst_then_its_rate_and_others_are_untouched() {
+        let mut b = VerifyBudget::default();
+        let now = 1_000_000;
+        let taken = (0..100).filter(|_| b.take(addr(1), now)).count();
+        assert_eq!(taken, VERIFY_BURST as usize);
+        assert!(b.take(addr(2), now), "another address has its own budget");
+        // A second later, a second's worth more.
+        let later = (0..100).filter(|_| b.take(addr(1), now + 1000)).count();
+        assert_eq!(later, VERIFIES_PER_SEC as usize);
+    }
+}

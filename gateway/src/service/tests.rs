@@ -461,6 +461,39 @@ fn a_reload_that_changes_or_removes_a_key_ends_that_agents_sessions() {
 }
 
 #[test]
+fn bad_signatures_from_one_address_are_refused_unchecked_past_its_budget() {
+    let mut f = fixture("budget");
+    let mut refusals = Vec::new();
+    for i in 0..100 {
+        // organ's id, another key's signature.
+        refusals.push(connect(&mut f.svc, peer(1), "organ", 9, &format!("b{i}")).unwrap_err());
+    }
+    let checked = refusals
+        .iter()
+        .filter(|r| matches!(r, Refusal::Auth(AuthError::BadSignature(_))))
+        .count();
+    assert_eq!(checked, limits::VERIFY_BURST as usize);
+    assert!(matches!(refusals.last(), Some(Refusal::AddressBudget)));
+    // Another address, and the right key, are not held up.
+    connect(&mut f.svc, peer(2), "organ", 1, "good").unwrap();
+}
+
+#[test]
+fn an_agent_past_its_nonce_quota_is_refused_and_only_it() {
+    let mut f = fixture("quota");
+    f.svc.nonce_quota = 5;
+    for i in 0..5 {
+        connect(&mut f.svc, peer(10 + i), "organ", 1, &format!("q{i}")).unwrap();
+    }
+    assert!(matches!(
+        connect(&mut f.svc, peer(20), "organ", 1, "q-over"),
+        Err(Refusal::AgentQuota(a)) if a == "organ"
+    ));
+    // Another agent still gets in.
+    connect(&mut f.svc, peer(21), "heartbeat", 2, "h1").unwrap();
+}
+
+#[test]
 fn a_client_cannot_take_a_request_id_of_the_gateways_own() {
     let mut f = fixture("reserved");
     connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
