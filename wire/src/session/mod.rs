@@ -940,6 +940,18 @@ impl Session {
             self.stats.invalid += 1;
             return;
         }
+        // A channel whose rule is reliable (`schema`, `media`) takes only reliable packets: they
+        // are numbered in this session's sequence, which an unsequenced packet from whoever
+        // holds the peer's address would bypass.
+        if !reliable
+            && matches!(
+                Delivery::for_channel(p.channel, &self.cfg),
+                Delivery::ReliableOrdered | Delivery::Reliable { .. }
+            )
+        {
+            self.stats.invalid += 1;
+            return;
+        }
         if self.state == State::Connecting {
             return;
         }

@@ -1082,3 +1082,47 @@ fn an_older_peer_gets_a_60kb_page_whole_and_its_one_ack_settles_it() {
         .count();
     assert_eq!(resent, 0);
 }
+
+#[test]
+fn an_unsequenced_packet_on_a_reliable_channel_is_not_delivered() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    // Whoever holds the peer's address sends a request unsequenced, outside its sequence.
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Data,
+        flags: Flags(0),
+        connection_id: conn,
+        sequence: 0,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel: "schema",
+        payload: b"forged",
+    }
+    .encode(&mut b)
+    .unwrap();
+    hub.handle(now, peer, &b);
+    assert!(!events(&mut hub)
+        .iter()
+        .any(|e| matches!(e, HubEvent::Frame { .. })));
+    assert_eq!(hub.session(peer).unwrap().stats().invalid, 1);
+    // On a channel whose rule is unreliable, the same is a frame.
+    let mut b = Vec::new();
+    Packet {
+        ptype: PacketType::Data,
+        flags: Flags(0),
+        connection_id: conn,
+        sequence: 0,
+        ack: 0,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel: "realtime",
+        payload: b"r",
+    }
+    .encode(&mut b)
+    .unwrap();
+    hub.handle(now, peer, &b);
+    assert!(events(&mut hub)
+        .iter()
+        .any(|e| matches!(e, HubEvent::Frame { .. })));
+}
