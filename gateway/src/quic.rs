@@ -513,7 +513,11 @@ async fn connection(
     let (ended, service_gone) = loop {
         match next_frame(&mut recv, &mut frames, 64 * 1024).await {
             Ok(Some(payload)) => {
-                if remote.send(Remote::Frame { peer, payload }).await.is_err() {
+                if remote
+                    .send(Remote::Frame { peer, id, payload })
+                    .await
+                    .is_err()
+                {
                     break (Ok(()), true);
                 }
             }

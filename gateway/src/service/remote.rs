@@ -23,6 +23,8 @@ pub enum Remote {
     Frame {
         /// The peer.
         peer: SocketAddr,
+        /// Its connection (a frame of another connection than the session's is not taken).
+        id: usize,
         /// The message.
         payload: Bytes,
     },
@@ -137,6 +139,15 @@ pub(super) fn remote_event(
             out,
             verdict,
         } => {
+            // One session per address: a second connection from the same address and port
+            // would otherwise take over the first's session and its answers.
+            if quic.get(&peer).is_some_and(|p| p.id != id) {
+                let _ = verdict.send(Err(
+                    "another connection from this address and port is open; close it first"
+                        .to_owned(),
+                ));
+                return;
+            }
             let now = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
             match service.authenticate(peer, &payload, now) {
                 Ok(_) => {
@@ -148,8 +159,10 @@ pub(super) fn remote_event(
                 }
             }
         }
-        Remote::Frame { peer, payload } => {
-            let Some(to) = quic.get(&peer) else { return };
+        Remote::Frame { peer, id, payload } => {
+            let Some(to) = quic.get(&peer).filter(|p| p.id == id) else {
+                return;
+            };
             let sink = Sink::Quic(peer, to.out.clone());
             let frame = Frame {
                 channel: Arc::from(CHANNEL),

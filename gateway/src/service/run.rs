@@ -201,8 +201,8 @@ pub(super) async fn closing_round(
             Some(Remote::Connect { verdict, .. }) => {
                 let _ = verdict.send(Err(SHUTTING_DOWN.to_owned()));
             }
-            Some(Remote::Frame { peer, payload }) => {
-                if let Some(to) = quic.get(&peer) {
+            Some(Remote::Frame { peer, id, payload }) => {
+                if let Some(to) = quic.get(&peer).filter(|p| p.id == id) {
                     let frame = Frame { channel: Arc::from(CHANNEL), payload };
                     turned_away.push((Sink::Quic(peer, to.out.clone()), frame));
                 }

@@ -733,6 +733,66 @@ fn a_client_over_its_rate_is_answered_failed_then_cut_off_and_others_go_on() {
     assert_eq!(s.personas.len(), 1, "the organ's one Persona");
 }
 
+/// A second QUIC connection from the same address and port does not take over the first's
+/// session: it is refused, and a frame of any connection but the session's is not taken.
+#[test]
+fn a_second_quic_connection_from_one_address_cannot_take_over_the_first() {
+    let mut f = fixture("quic-two");
+    let mut quic = HashMap::new();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
+    let connect = |quic: &mut HashMap<_, _>, svc: &mut Service, id: usize, nonce: &str| {
+        let (tx, rx) = crate::answers::answer_queue(4, 1 << 20);
+        let (verdict, told) = tokio::sync::oneshot::channel();
+        let payload = ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, nonce);
+        let mut out = Vec::new();
+        remote_event(
+            svc,
+            quic,
+            Remote::Connect {
+                peer: peer(7),
+                payload: payload.encode().into(),
+                id,
+                out: tx,
+                verdict,
+            },
+            &mut out,
+        );
+        (told.blocking_recv(), rx)
+    };
+    let (first, _first_rx) = connect(&mut quic, &mut f.svc, 70, "c1");
+    assert_eq!(first, Ok(Ok(())));
+    let (second, _second_rx) = connect(&mut quic, &mut f.svc, 71, "c2");
+    assert!(
+        matches!(&second, Ok(Err(why)) if why.contains("another connection")),
+        "{second:?}"
+    );
+    // A frame that is not the session's connection's is not answered.
+    let status = put(ids::STATUS_REQUEST, "s1", &StatusRequest::default());
+    let mut out = Vec::new();
+    remote_event(
+        &mut f.svc,
+        &mut quic,
+        Remote::Frame {
+            peer: peer(7),
+            id: 71,
+            payload: status.payload.clone(),
+        },
+        &mut out,
+    );
+    assert!(out.is_empty(), "answered another connection's frame");
+    remote_event(
+        &mut f.svc,
+        &mut quic,
+        Remote::Frame {
+            peer: peer(7),
+            id: 70,
+            payload: status.payload,
+        },
+        &mut out,
+    );
+    assert_eq!(out.len(), 1, "the session's own frame is answered");
+}
+
 /// A QUIC client that does not read is cut off by the loop or by a send's or verb's task;
 /// either way it is counted once, when cut or when its connection ends. A connection that just
 /// ends is no cut-off.
