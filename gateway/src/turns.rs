@@ -1549,6 +1549,13 @@ impl TurnLoop {
             (None, None) => return Ok(()),
         };
         tracing::Span::current().record("turn", turn_id.as_str());
+        // Its says' receipts (`TURN:i`) outlive any retention until the turn is committed: a
+        // reply sent again after a long outage sends each say at most once.
+        self.inbox.set_session_value(
+            &id,
+            crate::inbox::retention::KEEP_RECEIPTS,
+            Some(&format!("{turn_id}:")),
+        )?;
         // A batch already in flight is a retry: a turn before may have left it in her
         // transcript.
         let mut retried = false;
@@ -1910,7 +1917,11 @@ impl TurnLoop {
         // (both outlive a restart), and her stored reply gone (a stale one could not match a
         // later turn, seqs are not reused, but it has no use left).
         let seen = self.seen_to_keep(lines);
-        let mut values = vec![(CORRECTION, self.note.as_deref()), (FAILED, None)];
+        let mut values = vec![
+            (CORRECTION, self.note.as_deref()),
+            (FAILED, None),
+            (crate::inbox::retention::KEEP_RECEIPTS, None),
+        ];
         if seen.is_some() {
             values.push((SEEN, seen.as_deref()));
         }

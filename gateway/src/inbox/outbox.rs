@@ -187,12 +187,25 @@ impl Inbox {
     /// assigned seq it is refused and nothing changes. Returns what is still pending.
     pub fn ack_extensions(&self, persona: &str, through: u64) -> Result<u64, InboxError> {
         let st = self.stores()?;
-        let (highest, acked) = self.extension_marks(persona)?;
+        let (highest, _) = self.extension_marks(persona)?;
         if through > highest {
             return Err(InboxError::AckBeyondHighest { through, highest });
         }
-        if through <= acked {
-            return Ok(highest - acked);
+        // The watermark only moves forward, whoever acks at the same time: it is swapped in
+        // only over the value read (sled's compare-and-swap), else read again.
+        let mark = key(persona, b"ext_acked");
+        loop {
+            let current = st.tree.get(&mark)?;
+            let acked = current.as_deref().map_or(0, u64_of);
+            if through <= acked {
+                return Ok(highest.saturating_sub(acked));
+            }
+            let swapped =
+                st.tree
+                    .compare_and_swap(&mark, current, Some(through.to_be_bytes().to_vec()))?;
+            if swapped.is_ok() {
+                break;
+            }
         }
         let mut ops = sled::Batch::default();
         for k in st
@@ -202,7 +215,6 @@ impl Inbox {
         {
             ops.remove(k?);
         }
-        ops.insert(key(persona, b"ext_acked"), &through.to_be_bytes());
         st.tree.apply_batch(ops)?;
         st.flush()?;
         Ok(highest - through)

@@ -8,6 +8,11 @@ use std::time::Duration;
 
 use super::{decode_ids, decode_receipt, encode, split_key, Inbox, InboxError, IDS};
 
+/// A Persona's session value naming a request-id prefix whose send receipts pruning keeps,
+/// whatever their age: her turn loop sets it to the turn in flight (its says' ids begin with
+/// it) and clears it when the turn is committed.
+pub const KEEP_RECEIPTS: &str = "keep_receipts";
+
 /// How long records are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
@@ -88,9 +93,25 @@ impl Inbox {
             }
         }
         let mut ops = sled::Batch::default();
+        // The receipts a Persona still needs (her reply waiting to be sent again, her batch in
+        // flight): kept whatever their age, or its says would go out a second time.
+        let mut needed: std::collections::HashMap<String, Option<String>> = Default::default();
         for item in st.receipts.iter() {
             let (k, v) = item?;
             let (at, receipt) = decode_receipt(&k, &v)?;
+            if let Some((persona, id)) = split_key(&k) {
+                let prefix = match needed.get(persona) {
+                    Some(p) => p.clone(),
+                    None => {
+                        let p = self.session_value(persona, KEEP_RECEIPTS)?;
+                        needed.insert(persona.to_owned(), p.clone());
+                        p
+                    }
+                };
+                if prefix.is_some_and(|p| !p.is_empty() && id.starts_with(p.as_bytes())) {
+                    continue;
+                }
+            }
             match at {
                 None => {
                     ops.insert(k.to_vec(), encode(&(now_ms, &receipt)));

@@ -186,6 +186,48 @@ fn receipts_survive_restarts() {
 }
 
 #[test]
+fn receipts_a_turn_in_flight_still_needs_outlive_their_retention() {
+    let path = dir("prune-keep");
+    let inbox = Inbox::open(&path).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
+    let r = |id: &str| SendReceipt {
+        request_id: id.into(),
+        status: Status::Ok,
+        event_id: Some("$sent".into()),
+        room_id: Some("!r".into()),
+        error: None,
+    };
+    for id in [
+        "turn:vera:5-7:0",
+        "turn:vera:5-7:1",
+        "turn:vera:1-4:0",
+        "ops-1",
+    ] {
+        inbox.store_receipt("vera", &r(id)).unwrap();
+    }
+    // Her reply to 5-7 waits to be sent again (the homeserver was away for days).
+    inbox
+        .set_session_value("vera", retention::KEEP_RECEIPTS, Some("turn:vera:5-7:"))
+        .unwrap();
+    let keep = Retention {
+        event_ids: std::time::Duration::from_secs(86_400),
+        receipts: std::time::Duration::from_secs(86_400),
+    };
+    let p = inbox.prune(now + 3 * 86_400_000, keep).unwrap();
+    assert_eq!(p.receipts, 2);
+    assert!(inbox.receipt("vera", "turn:vera:5-7:0").unwrap().is_some());
+    assert!(inbox.receipt("vera", "turn:vera:5-7:1").unwrap().is_some());
+    assert!(inbox.receipt("vera", "turn:vera:1-4:0").unwrap().is_none());
+    assert!(inbox.receipt("vera", "ops-1").unwrap().is_none());
+    // Committed: they age out like the rest.
+    inbox
+        .set_session_value("vera", retention::KEEP_RECEIPTS, None)
+        .unwrap();
+    let p = inbox.prune(now + 3 * 86_400_000, keep).unwrap();
+    assert_eq!(p.receipts, 2);
+}
+
+#[test]
 fn event_ids_and_receipts_are_pruned_by_age_and_old_records_get_a_time() {
     let path = dir("prune");
     let inbox = Inbox::open(&path).unwrap();
@@ -932,4 +974,45 @@ fn a_redaction_blanks_pending_mail_its_context_and_the_timeline_and_drops_what_i
         .unwrap()
         .deliveries
         .is_empty());
+}
+
+#[test]
+fn the_extensions_watermark_only_moves_forward_under_concurrent_acks() {
+    let path = dir("ext-race");
+    let inbox = Inbox::open(&path).unwrap();
+    let fields: Vec<(String, serde_json::Value)> = (0..200)
+        .map(|i| (format!("f{i}"), serde_json::json!(i)))
+        .collect();
+    inbox
+        .commit_turn(
+            "mira",
+            &TurnCommit {
+                turn_id: "turn:mira:n1-1",
+                extensions: &fields,
+                at_ms: 1,
+                ..TurnCommit::default()
+            },
+        )
+        .unwrap();
+    // Four clients ack the same marks at once, each in its own order.
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let inbox = inbox.clone();
+            std::thread::spawn(move || {
+                let mut marks: Vec<u64> = (1..=200).collect();
+                // A different order per thread: a stride through the marks.
+                let stride = [1, 7, 13, 31][t as usize];
+                marks.sort_by_key(|m| (m * stride) % 211);
+                for m in marks {
+                    inbox.ack_extensions("mira", m).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let page = inbox.pending_extensions("mira", 0, 10).unwrap();
+    assert_eq!(page.pending_count, 0, "the watermark moved back");
+    assert!(page.extensions.is_empty());
 }
