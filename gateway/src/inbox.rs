@@ -208,6 +208,8 @@ const IDS: u8 = b'x';
 const META: u8 = b'm';
 const ROOM: u8 = b'r';
 const HELD: u8 = b'u';
+/// CultNet Connect nonces used, by agent: `k` agent 0 nonce -> issued-at ms.
+const NONCE: u8 = b'k';
 /// Kinds of the first layout, converted by [`Inbox::open`].
 const OLD_DELIVERY: u8 = b'd';
 const OLD_EVENT: u8 = b'e';
@@ -895,6 +897,45 @@ impl Inbox {
             .get(&k)?
             .map(|v| decode_receipt(&k, &v).map(|(_, r)| r))
             .transpose()
+    }
+
+    /// Remembers a CultNet Connect nonce `agent` used, signed at `issued_at_ms` (flushed: a
+    /// gateway restarted within the Connect's time window must still refuse its replay).
+    pub fn remember_nonce(
+        &self,
+        agent: &str,
+        nonce: &str,
+        issued_at_ms: u64,
+    ) -> Result<(), InboxError> {
+        let st = self.stores()?;
+        st.tree.insert(
+            kkey(NONCE, agent, nonce.as_bytes()),
+            &issued_at_ms.to_be_bytes(),
+        )?;
+        st.flush()?;
+        Ok(())
+    }
+
+    /// The Connect nonces signed at or after `since_ms`, as (agent, nonce, issued at); older
+    /// ones are forgotten.
+    pub fn recent_nonces(&self, since_ms: u64) -> Result<Vec<(String, String, u64)>, InboxError> {
+        let st = self.stores()?;
+        let mut out = Vec::new();
+        let mut old = sled::Batch::default();
+        for item in st.tree.scan_prefix([NONCE]) {
+            let (k, v) = item?;
+            let at = u64_of(&v);
+            match split_key(&k) {
+                Some((agent, nonce)) if at >= since_ms => out.push((
+                    agent.to_owned(),
+                    String::from_utf8_lossy(nonce).into_owned(),
+                    at,
+                )),
+                _ => old.remove(k),
+            }
+        }
+        st.tree.apply_batch(old)?;
+        Ok(out)
     }
 
     /// Stores a send receipt (flushed) so a repeat of the request is answered without sending.

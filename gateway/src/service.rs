@@ -297,19 +297,37 @@ impl Service {
         ports: BTreeMap<String, Port>,
     ) -> Self {
         let clients = pinned(clients);
+        let max_skew_ms = max_skew_secs.saturating_mul(1000);
+        // The nonces used before a restart that are still within the time window: their
+        // payloads must not get in again.
+        let since = u64::try_from(crate::clock::unix_ms())
+            .unwrap_or(0)
+            .saturating_sub(max_skew_ms.saturating_mul(2));
+        let (mut nonces, mut nonce_counts) = (HashMap::new(), HashMap::new());
+        match inbox.recent_nonces(since) {
+            Ok(kept) => {
+                for (agent, nonce, at) in kept {
+                    *nonce_counts.entry(agent.clone()).or_default() += 1;
+                    nonces.insert((agent, nonce), (at, SocketAddr::from(([0, 0, 0, 0], 0))));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "connect nonces of the last run not read: their payloads could be replayed")
+            }
+        }
         Self {
             runtime_id: runtime_id.to_owned(),
             started_at: rfc3339(crate::clock::unix_ms()),
             connection_id,
-            max_skew_ms: max_skew_secs.saturating_mul(1000),
+            max_skew_ms,
             inbox,
             clients,
             ports,
             peers: HashMap::new(),
             agents: HashMap::new(),
             greeted: Default::default(),
-            nonces: HashMap::new(),
-            nonce_counts: HashMap::new(),
+            nonces,
+            nonce_counts,
             nonce_quota: MAX_NONCES_PER_AGENT,
             verifies: VerifyBudget::default(),
             stats: ServiceStats::default(),

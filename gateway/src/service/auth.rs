@@ -169,6 +169,14 @@ impl Service {
             return Err(Refusal::Replay(p.agent_id));
         }
         *self.nonce_counts.entry(p.agent_id.clone()).or_default() += 1;
+        // Kept on disk too: a payload captured while the gateway restarts (whoever held its
+        // port then) cannot be replayed to it once it is back.
+        if let Err(e) = self
+            .inbox
+            .remember_nonce(&p.agent_id, &p.nonce, p.issued_at)
+        {
+            tracing::warn!(agent = %p.agent_id, error = %e, "connect nonce not kept on disk: a restart forgets it");
+        }
         Ok(p.agent_id)
     }
 

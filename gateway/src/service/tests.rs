@@ -494,6 +494,35 @@ fn an_agent_past_its_nonce_quota_is_refused_and_only_it() {
 }
 
 #[test]
+fn a_connect_payload_cannot_be_replayed_to_a_restarted_gateway() {
+    let f = fixture("restart-replay");
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
+    let payload =
+        ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, "captured").encode();
+    let mut svc = f.svc;
+    svc.authenticate(peer(1), &payload, now).unwrap();
+    // The gateway restarts (a new service on the same inbox); whoever held its port meanwhile
+    // replays the payload it captured.
+    let clients = [client("organ", 1, &["mira"], &Verb::ALL)];
+    let mut restarted = Service::new(
+        "gw-test-2",
+        GATEWAY_CONNECTION_ID,
+        120,
+        f.inbox.clone(),
+        &clients,
+        BTreeMap::new(),
+    );
+    assert!(matches!(
+        restarted.authenticate(peer(9), &payload, now + 1000),
+        Err(Refusal::Replay(a)) if a == "organ"
+    ));
+    // A fresh payload gets in.
+    let fresh =
+        ConnectPayload::sign(&key(1), GATEWAY_CONNECTION_ID, "organ", now, "fresh").encode();
+    restarted.authenticate(peer(9), &fresh, now + 1000).unwrap();
+}
+
+#[test]
 fn a_client_cannot_take_a_request_id_of_the_gateways_own() {
     let mut f = fixture("reserved");
     connect(&mut f.svc, peer(1), "organ", 1, "n1").unwrap();
