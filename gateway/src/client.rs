@@ -67,6 +67,20 @@ impl Client {
         Self::connect_signed(server, agent_id, connect_payload(key, agent_id), timeout).await
     }
 
+    /// [`Client::connect`], knowing it reached the gateway: its Accept must carry the proof
+    /// of `server_key`, the gateway's pinned public key (`STATE/cultnet/server.key`, logged at
+    /// its start). Whoever else holds the gateway's port is refused before any request.
+    pub async fn connect_pinned(
+        server: SocketAddr,
+        agent_id: &str,
+        key: &SigningKey,
+        server_key: &ed25519_dalek::VerifyingKey,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let payload = connect_payload(key, agent_id);
+        Self::connect_checked(server, agent_id, payload, Some(server_key), timeout).await
+    }
+
     /// Connects with a Connect payload signed elsewhere (`payload` from
     /// [`wire::docs::ConnectPayload::encode`]).
     pub async fn connect_signed(
@@ -75,6 +89,17 @@ impl Client {
         payload: Vec<u8>,
         timeout: Duration,
     ) -> Result<Self, ClientError> {
+        Self::connect_checked(server, agent_id, payload, None, timeout).await
+    }
+
+    async fn connect_checked(
+        server: SocketAddr,
+        agent_id: &str,
+        payload: Vec<u8>,
+        server_key: Option<&ed25519_dalek::VerifyingKey>,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let sent = payload.clone();
         let bind = if server.is_ipv4() {
             SocketAddr::from(([127, 0, 0, 1], 0))
         } else {
@@ -92,7 +117,22 @@ impl Client {
         };
         loop {
             match me.next_event().await? {
-                HubEvent::Connected { .. } => return Ok(me),
+                HubEvent::Connected { accept, .. } => {
+                    if let Some(pinned) = server_key {
+                        if let Err(e) = wire::docs::ServerProof::verify(
+                            &accept,
+                            pinned,
+                            GATEWAY_CONNECTION_ID,
+                            &sent,
+                        ) {
+                            me.close().await;
+                            return Err(ClientError::Refused(format!(
+                                "not the gateway pinned: {e}"
+                            )));
+                        }
+                    }
+                    return Ok(me);
+                }
                 HubEvent::Disconnected { reason, .. } => return Err(refusal(reason)),
                 _ => {}
             }

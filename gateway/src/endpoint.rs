@@ -149,7 +149,7 @@ enum Command {
         channel: &'static str,
         payload: Bytes,
     },
-    Accept(ConnectRequest),
+    Accept(ConnectRequest, Bytes),
     Refuse(ConnectRequest, String),
     Connect(SocketAddr, Bytes),
     Disconnect(SocketAddr, String),
@@ -188,7 +188,7 @@ impl EndpointHandle {
 
     /// Accepts a Connect the hub reported (see [`Hub::accept`] for when it is not applied).
     pub async fn accept(&self, req: ConnectRequest) -> Result<(), EndpointError> {
-        self.cmd(Command::Accept(req)).await
+        self.cmd(Command::Accept(req, Bytes::new())).await
     }
 
     /// Refuses a Connect the hub reported, with a reason the client will see.
@@ -306,7 +306,13 @@ impl Endpoint {
     /// Accepts a Connect (see [`Hub::accept`]); one not applied comes back as
     /// [`EndpointEvent::AcceptNotApplied`].
     pub fn accept(&mut self, req: ConnectRequest) {
-        self.driver.accept(Instant::now().into_std(), &req);
+        self.driver
+            .accept(Instant::now().into_std(), &req, Bytes::new());
+    }
+
+    /// [`Endpoint::accept`], the Accept carrying `payload` (the server's proof of its key).
+    pub fn accept_with(&mut self, req: ConnectRequest, payload: Bytes) {
+        self.driver.accept(Instant::now().into_std(), &req, payload);
     }
 
     /// Refuses a Connect, with a reason the client will see.
@@ -483,8 +489,8 @@ impl Driver {
     }
 
     /// Applies an accept; one not applied is reported as an event.
-    fn accept(&mut self, now: std::time::Instant, req: &ConnectRequest) {
-        if let Err(error) = self.hub.accept(now, req) {
+    fn accept(&mut self, now: std::time::Instant, req: &ConnectRequest, payload: Bytes) {
+        if let Err(error) = self.hub.accept_with(now, req, payload) {
             debug!(peer = %req.peer, %error, "accept not applied");
             // Reported before any event of a later Connect from that peer (failures go out
             // first), so the owner never forgets a newer peer's record.
@@ -508,7 +514,7 @@ impl Driver {
                 channel,
                 payload,
             } => self.send(now, peer, channel, payload),
-            Command::Accept(req) => self.accept(now, &req),
+            Command::Accept(req, payload) => self.accept(now, &req, payload),
             Command::Refuse(req, reason) => self.refuse(&req, &reason),
             Command::Connect(peer, payload) => self.hub.connect(now, peer, payload),
             Command::Disconnect(peer, reason) => self.hub.disconnect(peer, &reason),

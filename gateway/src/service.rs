@@ -74,7 +74,7 @@ mod run;
 mod status;
 
 use auth::pinned;
-pub use auth::{Refusal, MAX_NONCES_PER_AGENT, NOT_ADMITTED};
+pub use auth::{server_key, Refusal, MAX_NONCES_PER_AGENT, NOT_ADMITTED};
 pub use limits::ClientLimits;
 use limits::{Budget, RefusalLog, Verdict, VerifyBudget};
 pub use mail::{owned_request_id, reserved_prefix, RESERVED_PREFIXES};
@@ -277,6 +277,8 @@ pub struct Service {
     limits: ClientLimits,
     /// Where Connects, peers and limits are counted.
     metrics: Arc<crate::metrics::Metrics>,
+    /// The gateway's own key, whose proof its Accepts carry.
+    server_key: Option<ed25519_dalek::SigningKey>,
     refusals: RefusalLog,
     /// Acks applied but not yet flushed.
     unflushed: bool,
@@ -333,6 +335,7 @@ impl Service {
             stats: ServiceStats::default(),
             limits: ClientLimits::default(),
             metrics: crate::metrics::unserved(),
+            server_key: None,
             refusals: RefusalLog::default(),
             unflushed: false,
             tasks: None,
@@ -343,6 +346,23 @@ impl Service {
     pub fn with_limits(mut self, limits: ClientLimits) -> Self {
         self.limits = limits;
         self
+    }
+
+    /// Signs its Accepts with the gateway's key (`STATE/cultnet/server.key`), so that clients
+    /// that pinned it know they reached the gateway ([`wire::docs::ServerProof`]).
+    pub fn with_server_key(mut self, key: ed25519_dalek::SigningKey) -> Self {
+        self.server_key = Some(key);
+        self
+    }
+
+    /// The Accept payload for a Connect carrying `connect_payload`: the server's proof, or
+    /// nothing without a key.
+    pub fn accept_payload(&self, connect_payload: &[u8]) -> Bytes {
+        self.server_key.as_ref().map_or_else(Bytes::new, |k| {
+            Bytes::from(
+                wire::docs::ServerProof::sign(k, self.connection_id, connect_payload).encode(),
+            )
+        })
     }
 
     /// Counts Connects, peers and limits in `metrics` (the gateway's, which its exporter

@@ -703,6 +703,80 @@ pub fn gateway_hello(runtime_id: &str) -> msg::Hello {
     }
 }
 
+/// Domain separator of the server's proof in its Accept.
+pub const ACCEPT_DOMAIN: &[u8] = b"bifrost.matrix_gateway_accept.v0\0";
+
+/// The server's proof in its Accept payload: its ed25519 public key and its signature over
+/// [`ACCEPT_DOMAIN`], the connection id and the SHA-256 of the client's Connect payload as sent.
+/// A client that pinned the gateway's key knows from it that the gateway answered, not
+/// whoever held its port (a client that did not pin it may ignore the payload, as the public
+/// runtimes do).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServerProof {
+    /// The server's public key.
+    #[serde(with = "serde_bytes")]
+    pub server_key: Vec<u8>,
+    /// Its signature.
+    #[serde(with = "serde_bytes")]
+    pub signature: Vec<u8>,
+}
+
+impl ServerProof {
+    fn signed_bytes(connection_id: u32, connect_payload: &[u8]) -> Vec<u8> {
+        use sha2::Digest;
+        let mut b = Vec::with_capacity(ACCEPT_DOMAIN.len() + 4 + 32);
+        b.extend_from_slice(ACCEPT_DOMAIN);
+        b.extend_from_slice(&connection_id.to_be_bytes());
+        b.extend_from_slice(&sha2::Sha256::digest(connect_payload));
+        b
+    }
+
+    /// The proof of `key` for the Connect payload `connect_payload`.
+    pub fn sign(key: &SigningKey, connection_id: u32, connect_payload: &[u8]) -> Self {
+        Self {
+            server_key: key.verifying_key().as_bytes().to_vec(),
+            signature: key
+                .sign(&Self::signed_bytes(connection_id, connect_payload))
+                .to_bytes()
+                .to_vec(),
+        }
+    }
+
+    /// Encodes it as the Accept payload.
+    pub fn encode(&self) -> Vec<u8> {
+        msg::encode_named(self)
+    }
+
+    /// Checks an Accept payload against the pinned server key, for the Connect payload sent.
+    pub fn verify(
+        accept_payload: &[u8],
+        pinned: &VerifyingKey,
+        connection_id: u32,
+        connect_payload: &[u8],
+    ) -> Result<(), AuthError> {
+        let p: Self = rmp_serde::from_slice(accept_payload).map_err(|e| {
+            AuthError::Malformed(format!("the Accept carries no server proof: {e}"))
+        })?;
+        if p.server_key.as_slice() != pinned.as_bytes() {
+            return Err(AuthError::BadSignature(
+                "the server's key is not the one pinned".into(),
+            ));
+        }
+        let sig: [u8; 64] = p
+            .signature
+            .as_slice()
+            .try_into()
+            .map_err(|_| AuthError::Malformed("server signature is not 64 bytes".into()))?;
+        pinned
+            .verify(
+                &Self::signed_bytes(connection_id, connect_payload),
+                &Signature::from_bytes(&sig),
+            )
+            .map_err(|_| AuthError::BadSignature("the server's proof does not verify".into()))
+    }
+}
+
 /// Domain separator of the Connect signature.
 pub const CONNECT_DOMAIN: &[u8] = b"bifrost.matrix_gateway_connect.v0\0";
 /// Longest agent id or nonce accepted in a Connect payload.
@@ -841,6 +915,34 @@ impl ConnectPayload {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod server_proof_tests {
+    use super::*;
+
+    #[test]
+    fn a_server_proof_verifies_only_under_its_key_and_for_its_connect() {
+        let server = SigningKey::from_bytes(&[5; 32]);
+        let connect = b"the client's connect payload";
+        let proof = ServerProof::sign(&server, 7, connect).encode();
+        assert_eq!(
+            ServerProof::verify(&proof, &server.verifying_key(), 7, connect),
+            Ok(())
+        );
+        let other = SigningKey::from_bytes(&[6; 32]).verifying_key();
+        assert!(ServerProof::verify(&proof, &other, 7, connect).is_err());
+        assert!(ServerProof::verify(&proof, &server.verifying_key(), 8, connect).is_err());
+        assert!(ServerProof::verify(&proof, &server.verifying_key(), 7, b"another").is_err());
+        assert!(ServerProof::verify(b"", &server.verifying_key(), 7, connect).is_err());
+        // Whoever replays a captured proof to a new Connect is found out.
+        let forged = ServerProof {
+            server_key: server.verifying_key().as_bytes().to_vec(),
+            signature: vec![0; 64],
+        }
+        .encode();
+        assert!(ServerProof::verify(&forged, &server.verifying_key(), 7, connect).is_err());
     }
 }
 

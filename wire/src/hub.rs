@@ -78,6 +78,8 @@ pub enum HubEvent {
     Connected {
         /// The peer.
         peer: SocketAddr,
+        /// The Accept's payload (what the server sent with it; empty on the server's side).
+        accept: Bytes,
     },
     /// A frame arrived.
     Frame {
@@ -279,6 +281,17 @@ impl Hub {
     /// a newer Connect from that address replaced it, it was accepted already, or `max_peers`
     /// sessions exist by now (then the client is told `server full`).
     pub fn accept(&mut self, now: Instant, req: &ConnectRequest) -> Result<(), HubError> {
+        self.accept_with(now, req, Bytes::new())
+    }
+
+    /// [`Hub::accept`], the Accept carrying `payload` (e.g. the server's proof of its key, for
+    /// clients that pinned it).
+    pub fn accept_with(
+        &mut self,
+        now: Instant,
+        req: &ConnectRequest,
+        payload: Bytes,
+    ) -> Result<(), HubError> {
         let peer = req.peer;
         self.take_pending(req)?;
         if let Some(e) = self.peers.get(&peer) {
@@ -308,7 +321,7 @@ impl Hub {
             payload: &req.payload,
         };
         let seq = self.initial_seq();
-        let session = Session::accept(now, self.cfg.session.clone(), &connect, seq);
+        let session = Session::accept_with(now, self.cfg.session.clone(), &connect, seq, payload);
         self.insert(peer, session);
         Ok(())
     }
@@ -529,7 +542,13 @@ impl Hub {
         };
         while let Some(ev) = e.session.poll_event() {
             self.events.push_back(match ev {
-                SessionEvent::Connected => HubEvent::Connected { peer },
+                SessionEvent::Connected => HubEvent::Connected {
+                    peer,
+                    accept: match e.session.role() {
+                        Role::Client => e.session.accept_payload().clone(),
+                        Role::Server => Bytes::new(),
+                    },
+                },
                 SessionEvent::Frame(frame) => HubEvent::Frame { peer, frame },
                 SessionEvent::Pong(payload) => HubEvent::Pong { peer, payload },
                 SessionEvent::Disconnected(reason) => HubEvent::Disconnected { peer, reason },

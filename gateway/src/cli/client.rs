@@ -227,10 +227,30 @@ pub(crate) fn run(
     agent: &str,
     key_file: &Path,
     quic_cert: Option<&Path>,
+    server_key: Option<&str>,
     timeout: Duration,
     ask: Ask,
 ) -> Result<(), Failure> {
     let key = load_key(key_file).map_err(|e| Failure::input(e.into()))?;
+    let server_key = server_key
+        .map(|hex| {
+            let hex = hex.trim();
+            let bytes: Option<[u8; 32]> = (hex.len() == 64)
+                .then(|| {
+                    (0..32)
+                        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok())
+                        .collect::<Option<Vec<u8>>>()
+                })
+                .flatten()
+                .and_then(|v| v.try_into().ok());
+            bytes
+                .and_then(|b| ed25519_dalek::VerifyingKey::from_bytes(&b).ok())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--server-key is not an ed25519 public key in 64 hex digits")
+                })
+        })
+        .transpose()
+        .map_err(Failure::input)?;
     let pinned = quic_cert
         .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
         .transpose()
@@ -247,9 +267,13 @@ pub(crate) fn run(
                     .with_context(|| format!("connecting to {gateway} over QUIC"))?,
             ),
             None => Conn::Rudp(
-                Client::connect(gateway, agent, &key, timeout)
-                    .await
-                    .with_context(|| format!("connecting to {gateway}"))?,
+                match &server_key {
+                    Some(pinned) => {
+                        Client::connect_pinned(gateway, agent, &key, pinned, timeout).await
+                    }
+                    None => Client::connect(gateway, agent, &key, timeout).await,
+                }
+                .with_context(|| format!("connecting to {gateway}"))?,
             ),
         };
         let key = uuid::Uuid::new_v4().to_string();

@@ -102,6 +102,11 @@ enum Command {
         /// `STATE/quic/cert.der`), the only one trusted; `--gateway` is then its QUIC address.
         #[arg(long)]
         quic_cert: Option<PathBuf>,
+        /// Over RUDP: the gateway's public key (64 hex digits, logged at its start; its secret
+        /// half is `STATE/cultnet/server.key`). The session is refused unless the gateway
+        /// proves it, so whoever else holds its port gets no request.
+        #[arg(long)]
+        server_key: Option<String>,
         /// Seconds to wait for each answer.
         #[arg(long, default_value_t = 30)]
         timeout: u64,
@@ -180,6 +185,7 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             agent,
             key,
             quic_cert,
+            server_key,
             timeout,
             ask,
         } => client::run(
@@ -187,6 +193,7 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             &agent,
             &key,
             quic_cert.as_deref(),
+            server_key.as_deref(),
             std::time::Duration::from_secs(timeout),
             ask,
         ),

@@ -140,6 +140,23 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     )
     .with_limits(service::ClientLimits::from(&cfg.cultnet))
     .with_metrics(metrics.clone());
+    // The gateway's own key: its Accepts prove it to clients that pinned it.
+    let server_key = service::server_key(&cfg.state_dir).with_context(|| {
+        format!(
+            "the CultNet server key in {}",
+            cfg.state_dir.join("cultnet").display()
+        )
+    })?;
+    tracing::info!(
+        server_key = %server_key
+            .verifying_key()
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>(),
+        "CultNet server key (clients may pin it: --server-key)"
+    );
+    let service = service.with_server_key(server_key);
     let remote = match &cfg.cultnet.quic {
         Some(q) => {
             let identity = gateway::quic::identity(

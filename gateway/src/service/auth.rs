@@ -231,3 +231,54 @@ impl Service {
         Ok(())
     }
 }
+
+/// The gateway's own ed25519 key, kept in `state_dir/cultnet/server.key` (64 hex digits, 0600,
+/// in a 0700 directory): read, or made once. Its public half is what clients pin to know they
+/// reached the gateway (`--server-key`).
+pub fn server_key(state_dir: &std::path::Path) -> std::io::Result<ed25519_dalek::SigningKey> {
+    use std::io::Write;
+    let dir = state_dir.join("cultnet");
+    let path = dir.join("server.key");
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let hex = text.trim();
+        let seed: Option<[u8; 32]> = (hex.len() == 64)
+            .then(|| {
+                (0..32)
+                    .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok())
+                    .collect::<Option<Vec<u8>>>()
+            })
+            .flatten()
+            .and_then(|v| v.try_into().ok());
+        return seed
+            .map(|s| ed25519_dalek::SigningKey::from_bytes(&s))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is not 64 hex digits", path.display()),
+                )
+            });
+    }
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(&dir)?;
+    // Two v4 UUIDs (122 random bits each) hashed, so every bit of the seed is uniform.
+    let mut raw = [0u8; 32];
+    raw[..16].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    raw[16..].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    let seed: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
+        <sha2::Sha256 as sha2::Digest>::new(),
+        raw,
+    ))
+    .into();
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(&path)?;
+    let hex: String = seed.iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(f, "{hex}")?;
+    f.sync_all()?;
+    Ok(ed25519_dalek::SigningKey::from_bytes(&seed))
+}

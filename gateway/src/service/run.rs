@@ -274,7 +274,10 @@ pub(super) fn endpoint_event(
             let now = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
             let peer = req.peer;
             match service.authenticate(peer, &req.payload, now) {
-                Ok(_) => endpoint.accept(req),
+                Ok(_) => {
+                    let proof = service.accept_payload(&req.payload);
+                    endpoint.accept_with(req, proof);
+                }
                 Err(why) => endpoint.refuse(req, &why.to_client()),
             }
             // One rule for every verdict, since verdicts are applied as they are made: if no

@@ -281,6 +281,8 @@ pub struct Session {
     last_send: Instant,
     connect_seq: u32,
     connect_payload: Bytes,
+    /// The Accept's payload: what the server sent with it (on a client), or sends (on a server).
+    accept_payload: Bytes,
     accept_bytes: Vec<u8>,
     events: VecDeque<SessionEvent>,
     stats: SessionStats,
@@ -330,6 +332,7 @@ impl Session {
             last_send: now,
             connect_seq: 0,
             connect_payload: Bytes::new(),
+            accept_payload: Bytes::new(),
             accept_bytes: Vec::new(),
             events: VecDeque::new(),
             stats: SessionStats::default(),
@@ -369,7 +372,19 @@ impl Session {
         connect: &Packet<'_>,
         initial_seq: u32,
     ) -> Self {
+        Self::accept_with(now, cfg, connect, initial_seq, Bytes::new())
+    }
+
+    /// [`Session::accept`] with a payload in the Accept (e.g. the server's proof of its key).
+    pub fn accept_with(
+        now: Instant,
+        cfg: SessionConfig,
+        connect: &Packet<'_>,
+        initial_seq: u32,
+        payload: Bytes,
+    ) -> Self {
         let mut s = Self::new(now, cfg, Role::Server, initial_seq);
+        s.accept_payload = payload.clone();
         s.stats.packets_in += 1;
         s.connect_seq = connect.sequence;
         s.connect_payload = Bytes::copy_from_slice(connect.payload);
@@ -383,7 +398,7 @@ impl Session {
                 ptype: PacketType::Accept,
                 flags: Flags::RELIABLE | Flags::ORDERED | Flags::ABANDON,
                 channel,
-                payload: Bytes::new(),
+                payload,
                 fragment: Fragment::default(),
                 expires: None,
             },
@@ -403,13 +418,19 @@ impl Session {
                 fragment: Fragment::default(),
             },
             CONTROL_CHANNEL,
-            &[],
+            &[&s.accept_payload],
         );
         s.accept_bytes = bytes;
         s
     }
 
     // ---- getters ----
+
+    /// The Accept's payload: on a client, what the server sent with its Accept (empty before
+    /// it, or when it sent none); on a server, what its Accept carries.
+    pub fn accept_payload(&self) -> &Bytes {
+        &self.accept_payload
+    }
 
     /// Where the handshake stands.
     pub fn state(&self) -> &State {
@@ -920,6 +941,7 @@ impl Session {
                 return;
             }
             self.peer_abandon = p.flags.has(Flags::ABANDON);
+            self.accept_payload = Bytes::copy_from_slice(p.payload);
             self.recv.start_at(p.sequence);
             self.ack_at_once(p.sequence);
             self.state = State::Connected;
