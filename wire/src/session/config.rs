@@ -68,6 +68,10 @@ pub struct SessionConfig {
     /// the peer's resend delay (250 ms in deployed peers); a frame that still arrives for a
     /// skipped hole is delivered late, not dropped.
     pub legacy_hole_timeout: Duration,
+    /// Reliable packets beyond the duplicate window (a guessed sequence) before the session is
+    /// closed: a peer never sends them; whoever took a departed peer's address and guesses at
+    /// its sequence does.
+    pub max_out_of_window: u64,
     /// Pongs, disconnects and other one-off control packets waiting to go out, at most.
     pub max_control_queue: usize,
     /// Unreliable frames waiting to go out, at most; beyond it the oldest is dropped and counted.
@@ -99,6 +103,7 @@ impl Default for SessionConfig {
             silence_timeout: Some(Duration::from_secs(30)),
             keepalive: Some(Duration::from_secs(5)),
             legacy_hole_timeout: Duration::from_secs(1),
+            max_out_of_window: 64,
             max_control_queue: 64,
             max_unreliable_queue: 1024,
             finish_linger: Duration::from_secs(1),

@@ -1090,6 +1090,15 @@ impl Session {
             }
             Class::OutOfWindow => {
                 self.stats.out_of_window += 1;
+                // A peer never sends that far ahead of what it has had acknowledged (its window
+                // is far smaller than ours); whoever does is guessing this session's sequence
+                // (a process that took a departed peer's address): it gets a bounded number of
+                // guesses, then the session ends.
+                if self.stats.out_of_window >= self.cfg.max_out_of_window {
+                    self.fail(CloseReason::PeerMisbehaved(
+                        "too many packets outside this session's sequence".into(),
+                    ));
+                }
                 return;
             }
             Class::New(idx) => idx,

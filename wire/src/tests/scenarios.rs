@@ -1129,3 +1129,36 @@ fn an_unsequenced_packet_on_a_reliable_channel_is_not_delivered() {
         .iter()
         .any(|e| matches!(e, HubEvent::Frame { .. })));
 }
+
+#[test]
+fn guessing_at_a_sessions_sequence_ends_it_after_a_bounded_number_of_tries() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    let max = hub.config().session.max_out_of_window;
+    // Whoever took the peer's address guesses sequences far from the session's.
+    for i in 0..max {
+        let guess = 0x4000_0000u32.wrapping_add((i as u32) * 7919);
+        hub.handle(now, peer, &raw(conn, PacketType::Data, 3, guess, b"forged"));
+        if i + 1 < max {
+            assert!(
+                hub.session(peer).is_some(),
+                "closed after {} guesses",
+                i + 1
+            );
+        }
+    }
+    let ev = events(&mut hub);
+    assert!(
+        !ev.iter().any(|e| matches!(e, HubEvent::Frame { .. })),
+        "a guess was delivered"
+    );
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            HubEvent::Disconnected {
+                reason: crate::error::CloseReason::PeerMisbehaved(_),
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
+}
