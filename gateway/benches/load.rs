@@ -32,6 +32,9 @@ use wire::session::GATEWAY_CONNECTION_ID;
 
 const CLIENTS: [usize; 3] = [1, 10, 50];
 
+/// The gateway's own key (its Accepts prove it; the clients pin it, as the binary's do).
+const SERVER_SEED: [u8; 32] = [42; 32];
+
 /// Counts heap allocations and reallocations: client and service live in this process, so
 /// "allocs / request" is what one round trip allocates on both sides (the floor allocates none).
 struct Counting;
@@ -179,9 +182,16 @@ async fn load(
     let mut clients = Vec::new();
     for _ in 0..n {
         clients.push(
-            Client::connect(server, "organ", key, Duration::from_secs(10))
-                .await
-                .expect("connect"),
+            // As an operator's tool connects: pinning the gateway's key.
+            Client::connect_pinned(
+                server,
+                "organ",
+                key,
+                &SigningKey::from_bytes(&SERVER_SEED).verifying_key(),
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("connect"),
         );
     }
     let start = Instant::now();
@@ -330,7 +340,8 @@ fn main() {
         requests_per_sec: 1e9,
         burst: 1e9,
         max_in_flight: 16,
-    });
+    })
+    .with_server_key(SigningKey::from_bytes(&SERVER_SEED));
     let started = server_rt
         .block_on(service::start(
             "127.0.0.1:0".parse().expect("addr"),
