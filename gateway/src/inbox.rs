@@ -899,37 +899,47 @@ impl Inbox {
             .transpose()
     }
 
-    /// Remembers a CultNet Connect nonce `agent` used, signed at `issued_at_ms` (flushed: a
-    /// gateway restarted within the Connect's time window must still refuse its replay).
+    /// Remembers a CultNet Connect nonce `agent` used from `from`, signed at `issued_at_ms`
+    /// (flushed: a gateway restarted within the Connect's time window must still refuse its
+    /// replay from anywhere else).
     pub fn remember_nonce(
         &self,
         agent: &str,
         nonce: &str,
         issued_at_ms: u64,
+        from: std::net::SocketAddr,
     ) -> Result<(), InboxError> {
         let st = self.stores()?;
-        st.tree.insert(
-            kkey(NONCE, agent, nonce.as_bytes()),
-            &issued_at_ms.to_be_bytes(),
-        )?;
+        let mut v = issued_at_ms.to_be_bytes().to_vec();
+        v.extend_from_slice(from.to_string().as_bytes());
+        st.tree.insert(kkey(NONCE, agent, nonce.as_bytes()), v)?;
         st.flush()?;
         Ok(())
     }
 
-    /// The Connect nonces signed at or after `since_ms`, as (agent, nonce, issued at); older
-    /// ones are forgotten.
-    pub fn recent_nonces(&self, since_ms: u64) -> Result<Vec<(String, String, u64)>, InboxError> {
+    /// The Connect nonces signed at or after `since_ms`, as (agent, nonce, issued at, the
+    /// address that used it); older ones are forgotten.
+    #[allow(clippy::type_complexity)]
+    pub fn recent_nonces(
+        &self,
+        since_ms: u64,
+    ) -> Result<Vec<(String, String, u64, Option<std::net::SocketAddr>)>, InboxError> {
         let st = self.stores()?;
         let mut out = Vec::new();
         let mut old = sled::Batch::default();
         for item in st.tree.scan_prefix([NONCE]) {
             let (k, v) = item?;
             let at = u64_of(&v);
+            let from = v
+                .get(8..)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .and_then(|s| s.parse().ok());
             match split_key(&k) {
                 Some((agent, nonce)) if at >= since_ms => out.push((
                     agent.to_owned(),
                     String::from_utf8_lossy(nonce).into_owned(),
                     at,
+                    from,
                 )),
                 _ => old.remove(k),
             }

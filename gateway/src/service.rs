@@ -308,9 +308,10 @@ impl Service {
         let (mut nonces, mut nonce_counts) = (HashMap::new(), HashMap::new());
         match inbox.recent_nonces(since) {
             Ok(kept) => {
-                for (agent, nonce, at) in kept {
+                for (agent, nonce, at, from) in kept {
                     *nonce_counts.entry(agent.clone()).or_default() += 1;
-                    nonces.insert((agent, nonce), (at, SocketAddr::from(([0, 0, 0, 0], 0))));
+                    let from = from.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+                    nonces.insert((agent, nonce), (at, from));
                 }
             }
             Err(e) => {

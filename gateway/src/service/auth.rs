@@ -173,7 +173,7 @@ impl Service {
         // port then) cannot be replayed to it once it is back.
         if let Err(e) = self
             .inbox
-            .remember_nonce(&p.agent_id, &p.nonce, p.issued_at)
+            .remember_nonce(&p.agent_id, &p.nonce, p.issued_at, peer)
         {
             tracing::warn!(agent = %p.agent_id, error = %e, "connect nonce not kept on disk: a restart forgets it");
         }
