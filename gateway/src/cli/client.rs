@@ -234,16 +234,7 @@ pub(crate) fn run(
     let key = load_key(key_file).map_err(|e| Failure::input(e.into()))?;
     let server_key = server_key
         .map(|hex| {
-            let hex = hex.trim();
-            let bytes: Option<[u8; 32]> = (hex.len() == 64)
-                .then(|| {
-                    (0..32)
-                        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok())
-                        .collect::<Option<Vec<u8>>>()
-                })
-                .flatten()
-                .and_then(|v| v.try_into().ok());
-            bytes
+            gateway::config::hex32(hex.trim())
                 .and_then(|b| ed25519_dalek::VerifyingKey::from_bytes(&b).ok())
                 .ok_or_else(|| {
                     anyhow::anyhow!("--server-key is not an ed25519 public key in 64 hex digits")

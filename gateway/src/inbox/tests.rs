@@ -185,18 +185,23 @@ fn receipts_survive_restarts() {
     assert_eq!(inbox.receipt("otto", &r.request_id).unwrap(), None);
 }
 
-#[test]
-fn receipts_a_turn_in_flight_still_needs_outlive_their_retention() {
-    let path = dir("prune-keep");
-    let inbox = Inbox::open(&path).unwrap();
-    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
-    let r = |id: &str| SendReceipt {
+/// The receipt of a send `id` that went out.
+fn sent(id: &str) -> SendReceipt {
+    SendReceipt {
         request_id: id.into(),
         status: Status::Ok,
         event_id: Some("$sent".into()),
         room_id: Some("!r".into()),
         error: None,
-    };
+    }
+}
+
+#[test]
+fn receipts_a_turn_in_flight_still_needs_outlive_their_retention() {
+    let path = dir("prune-keep");
+    let inbox = Inbox::open(&path).unwrap();
+    let now = u64::try_from(crate::clock::unix_ms()).unwrap();
+    let r = sent;
     for id in [
         "turn:vera:5-7:0",
         "turn:vera:5-7:1",
@@ -233,13 +238,7 @@ fn event_ids_and_receipts_are_pruned_by_age_and_old_records_get_a_time() {
     let inbox = Inbox::open(&path).unwrap();
     let now = u64::try_from(crate::clock::unix_ms()).unwrap();
     let day = 86_400_000u64;
-    let r = |id: &str| SendReceipt {
-        request_id: id.into(),
-        status: Status::Ok,
-        event_id: Some("$sent".into()),
-        room_id: Some("!r".into()),
-        error: None,
-    };
+    let r = sent;
     inbox
         .ingest("mira", "t1", &[d("$1", "a"), d("$2", "b")])
         .unwrap();

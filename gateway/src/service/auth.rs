@@ -240,15 +240,7 @@ pub fn server_key(state_dir: &std::path::Path) -> std::io::Result<ed25519_dalek:
     let dir = state_dir.join("cultnet");
     let path = dir.join("server.key");
     if let Ok(text) = std::fs::read_to_string(&path) {
-        let hex = text.trim();
-        let seed: Option<[u8; 32]> = (hex.len() == 64)
-            .then(|| {
-                (0..32)
-                    .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok())
-                    .collect::<Option<Vec<u8>>>()
-            })
-            .flatten()
-            .and_then(|v| v.try_into().ok());
+        let seed = crate::config::hex32(text.trim());
         return seed
             .map(|s| ed25519_dalek::SigningKey::from_bytes(&s))
             .ok_or_else(|| {
@@ -277,8 +269,7 @@ pub fn server_key(state_dir: &std::path::Path) -> std::io::Result<ed25519_dalek:
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
     let mut f = opts.open(&path)?;
-    let hex: String = seed.iter().map(|b| format!("{b:02x}")).collect();
-    writeln!(f, "{hex}")?;
+    writeln!(f, "{}", crate::config::hex(&seed))?;
     f.sync_all()?;
     Ok(ed25519_dalek::SigningKey::from_bytes(&seed))
 }

@@ -1086,10 +1086,8 @@ fn an_older_peer_gets_a_60kb_page_whole_and_its_one_ack_settles_it() {
     assert_eq!(resent, 0);
 }
 
-#[test]
-fn an_unsequenced_packet_on_a_reliable_channel_is_not_delivered() {
-    let (mut hub, peer, conn, now) = server_with_client(cfg());
-    // Whoever holds the peer's address sends a request unsequenced, outside its sequence.
+/// An unsequenced Data packet on `channel`, as whoever holds a peer's address could send it.
+fn unsequenced(conn: u32, channel: &str, payload: &[u8]) -> Vec<u8> {
     let mut b = Vec::new();
     Packet {
         ptype: PacketType::Data,
@@ -1099,32 +1097,25 @@ fn an_unsequenced_packet_on_a_reliable_channel_is_not_delivered() {
         ack: 0,
         ack_mask: 0,
         fragment: Fragment::default(),
-        channel: "schema",
-        payload: b"forged",
+        channel,
+        payload,
     }
     .encode(&mut b)
     .unwrap();
-    hub.handle(now, peer, &b);
+    b
+}
+
+#[test]
+fn an_unsequenced_packet_on_a_reliable_channel_is_not_delivered() {
+    let (mut hub, peer, conn, now) = server_with_client(cfg());
+    // Whoever holds the peer's address sends a request unsequenced, outside its sequence.
+    hub.handle(now, peer, &unsequenced(conn, "schema", b"forged"));
     assert!(!events(&mut hub)
         .iter()
         .any(|e| matches!(e, HubEvent::Frame { .. })));
     assert_eq!(hub.session(peer).unwrap().stats().invalid, 1);
     // On a channel whose rule is unreliable, the same is a frame.
-    let mut b = Vec::new();
-    Packet {
-        ptype: PacketType::Data,
-        flags: Flags(0),
-        connection_id: conn,
-        sequence: 0,
-        ack: 0,
-        ack_mask: 0,
-        fragment: Fragment::default(),
-        channel: "realtime",
-        payload: b"r",
-    }
-    .encode(&mut b)
-    .unwrap();
-    hub.handle(now, peer, &b);
+    hub.handle(now, peer, &unsequenced(conn, "realtime", b"r"));
     assert!(events(&mut hub)
         .iter()
         .any(|e| matches!(e, HubEvent::Frame { .. })));
