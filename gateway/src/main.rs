@@ -39,6 +39,11 @@ fn logs(format: cli::LogFormat) {
 }
 
 fn main() -> ExitCode {
+    // Everything the gateway writes (her inbox with decrypted DMs, her Matrix store, her
+    // session files, its keys) is for its own user alone, whatever the umask it was started
+    // with; her claude processes inherit it.
+    #[cfg(unix)]
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
     let args = cli::Args::parse();
     logs(args.log_format);
     match cli::run(args) {

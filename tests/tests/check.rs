@@ -235,3 +235,54 @@ async fn check_names_each_problem_and_its_fix() {
         "{out}"
     );
 }
+
+/// Every mode under `dir` (itself included) that others or its group could read or enter.
+#[cfg(unix)]
+fn open_to_others(dir: &Path) -> Vec<(PathBuf, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let Ok(meta) = std::fs::symlink_metadata(&p) else {
+            continue;
+        };
+        let mode = meta.permissions().mode() & 0o777;
+        if !meta.file_type().is_symlink() && mode & 0o077 != 0 {
+            out.push((p.clone(), mode));
+        }
+        if meta.is_dir() {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                todo.push(e.path());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_directory_is_private_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let scene = Scene::new("private", Limits::Relaxed).await;
+    public_room(&scene.ann, "pv-lobby").await;
+    let config = write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &["#pv-lobby:localhost"],
+        &[],
+        "",
+    );
+    // Made before, open to others (as a umask of 022 leaves it).
+    let state = scene.dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let gw = GatewayProcess::start(&config);
+    assert!(gw.stop().success());
+    let mode = std::fs::metadata(&state).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "the state directory is {mode:o}");
+    // Her inbox, her Matrix store, the gateway's key: all its user's alone.
+    assert!(state.join("inbox").exists() && state.join("cultnet/server.key").exists());
+    let open = open_to_others(&state);
+    assert!(open.is_empty(), "open to others: {open:?}");
+}

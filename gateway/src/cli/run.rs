@@ -108,6 +108,20 @@ fn ports(running: &BTreeMap<String, Running>) -> BTreeMap<String, Port> {
 async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating the state directory {}", cfg.state_dir.display()))?;
+    // Private whatever made it (the process umask makes what is created here 0700 / 0600; one
+    // made before, or by hand, is closed to others now).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&cfg.state_dir)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or(0o700);
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o700))
+                .with_context(|| format!("making {} private", cfg.state_dir.display()))?;
+            tracing::warn!(state_dir = %cfg.state_dir.display(), was = format!("{mode:o}"), "the state directory was open to others; made 0700");
+        }
+    }
     let inbox_path = cfg.state_dir.join("inbox");
     let inbox = Inbox::open(&inbox_path)
         .with_context(|| format!("opening the inbox {}", inbox_path.display()))?;
