@@ -152,6 +152,28 @@ fn state_dir(dir: &Path) -> Line {
             format!("give the gateway's user write access to {}", dir.display()),
         );
     }
+    // It holds her decrypted DMs, her Matrix store's keys and the gateway's key.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or(0o700);
+        if mode & 0o077 != 0 {
+            return bad(
+                Level::Fail,
+                subject,
+                format!(
+                    "{} is open to others (mode {mode:o}): it holds her decrypted DMs and keys",
+                    dir.display()
+                ),
+                format!(
+                    "chmod 700 {} (the gateway also closes it at its next start)",
+                    dir.display()
+                ),
+            );
+        }
+    }
     let inbox = dir.join("inbox");
     if !inbox.exists() {
         return ok(

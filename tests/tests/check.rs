@@ -277,8 +277,19 @@ async fn the_state_directory_is_private_whatever_the_umask() {
     let state = scene.dir.join("state");
     std::fs::create_dir_all(&state).unwrap();
     std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // `check` refuses it, naming the fix.
+    let (code, out) = check(&config);
+    assert_eq!(code, Some(1), "{out}");
+    let line = fail_line(&out, "state");
+    assert!(
+        line.contains("is open to others (mode 755)") && line.contains("chmod 700"),
+        "{line}"
+    );
     let gw = GatewayProcess::start(&config);
     assert!(gw.stop().success());
+    // The gateway closed it; `check` has nothing against it now.
+    let (_, out) = check(&config);
+    assert!(out.contains("ok    state:"), "{out}");
     let mode = std::fs::metadata(&state).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o700, "the state directory is {mode:o}");
     // Her inbox, her Matrix store, the gateway's key: all its user's alone.
