@@ -938,6 +938,31 @@ impl SessionConfig {
     }
 }
 
+/// A new ed25519 seed: two v4 UUIDs (122 random bits each) hashed, so every bit is uniform.
+pub fn new_key_seed() -> [u8; 32] {
+    let mut raw = [0u8; 32];
+    raw[..16].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    raw[16..].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
+    sha2::Digest::finalize(sha2::Digest::chain_update(
+        <sha2::Sha256 as sha2::Digest>::new(),
+        raw,
+    ))
+    .into()
+}
+
+/// Writes `text` and a newline to a new file only its owner may read (0600), synced; an
+/// existing file is an error, never overwritten.
+pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    let mut f = opts.open(path)?;
+    writeln!(f, "{text}")?;
+    f.sync_all()
+}
+
 /// Reads a secret from a file only its owner may read (trimmed; empty is an error).
 pub fn read_private(path: &Path) -> Result<Secret, String> {
     check_private(path)?;

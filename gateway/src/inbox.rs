@@ -891,12 +891,9 @@ impl Inbox {
         persona: &str,
         request_id: &str,
     ) -> Result<Option<SendReceipt>, InboxError> {
-        let st = self.stores()?;
-        let k = key(persona, request_id.as_bytes());
-        st.receipts
-            .get(&k)?
-            .map(|v| decode_receipt(&k, &v).map(|(_, r)| r))
-            .transpose()
+        Ok(self
+            .receipt_with_digest(persona, request_id)?
+            .map(|(r, _)| r))
     }
 
     /// Remembers a CultNet Connect nonce `agent` used from `from`, signed at `issued_at_ms`
@@ -950,13 +947,7 @@ impl Inbox {
 
     /// Stores a send receipt (flushed) so a repeat of the request is answered without sending.
     pub fn store_receipt(&self, persona: &str, receipt: &SendReceipt) -> Result<(), InboxError> {
-        let st = self.stores()?;
-        st.receipts.insert(
-            key(persona, receipt.request_id.as_bytes()),
-            encode(&(now_ms(), receipt)),
-        )?;
-        st.flush()?;
-        Ok(())
+        self.put_receipt(persona, receipt, encode(&(now_ms(), receipt)))
     }
 
     /// [`Inbox::store_receipt`] with the digest of the message sent, so a repeat of its request
@@ -967,11 +958,18 @@ impl Inbox {
         receipt: &SendReceipt,
         digest: &str,
     ) -> Result<(), InboxError> {
+        self.put_receipt(persona, receipt, encode(&(now_ms(), receipt, digest)))
+    }
+
+    fn put_receipt(
+        &self,
+        persona: &str,
+        receipt: &SendReceipt,
+        record: Vec<u8>,
+    ) -> Result<(), InboxError> {
         let st = self.stores()?;
-        st.receipts.insert(
-            key(persona, receipt.request_id.as_bytes()),
-            encode(&(now_ms(), receipt, digest)),
-        )?;
+        st.receipts
+            .insert(key(persona, receipt.request_id.as_bytes()), record)?;
         st.flush()?;
         Ok(())
     }
@@ -988,10 +986,7 @@ impl Inbox {
         let Some(v) = st.receipts.get(&k)? else {
             return Ok(None);
         };
-        if let Ok((_, r, digest)) = rmp_serde::from_slice::<(u64, SendReceipt, String)>(&v) {
-            return Ok(Some((r, Some(digest))));
-        }
-        decode_receipt(&k, &v).map(|(_, r)| Some((r, None)))
+        decode_receipt(&k, &v).map(|(_, r, digest)| Some((r, digest)))
     }
 }
 
@@ -1005,15 +1000,19 @@ pub use notes::{Note, NotePut};
 pub use outbox::{ExtensionPage, TurnCommit};
 pub use retention::{Pruned, Retention};
 
-/// A stored receipt: when it was stored (`None` in the first layout) and the receipt.
-fn decode_receipt(k: &[u8], v: &[u8]) -> Result<(Option<u64>, SendReceipt), InboxError> {
+/// A stored receipt: when it was stored (`None` in the first layout), the receipt, and the
+/// digest of its message (kept since repeats with another message are refused).
+fn decode_receipt(
+    k: &[u8],
+    v: &[u8],
+) -> Result<(Option<u64>, SendReceipt, Option<String>), InboxError> {
+    if let Ok((at, r, digest)) = rmp_serde::from_slice::<(u64, SendReceipt, String)>(v) {
+        return Ok((Some(at), r, Some(digest)));
+    }
     if let Ok((at, r)) = rmp_serde::from_slice::<(u64, SendReceipt)>(v) {
-        return Ok((Some(at), r));
+        return Ok((Some(at), r, None));
     }
-    if let Ok((at, r, _digest)) = rmp_serde::from_slice::<(u64, SendReceipt, String)>(v) {
-        return Ok((Some(at), r));
-    }
-    Ok((None, decode(k, v)?))
+    Ok((None, decode(k, v)?, None))
 }
 
 #[cfg(test)]

@@ -128,10 +128,7 @@ pub fn content_digest(req: &SendRequest) -> String {
             None => h.update([0]),
         }
     }
-    h.finalize()[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::config::hex(&h.finalize()[..16])
 }
 
 /// Marks a request id as being sent with a content digest; unmarked when dropped.

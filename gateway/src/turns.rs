@@ -1549,26 +1549,24 @@ impl TurnLoop {
             (None, None) => return Ok(()),
         };
         tracing::Span::current().record("turn", turn_id.as_str());
-        // Its says' receipts (`TURN:i`) outlive any retention until the turn is committed: a
-        // reply sent again after a long outage sends each say at most once.
-        self.inbox.set_session_value(
-            &id,
-            crate::inbox::retention::KEEP_RECEIPTS,
-            Some(&format!("{turn_id}:")),
-        )?;
         // A batch already in flight is a retry: a turn before may have left it in her
         // transcript.
-        let mut retried = false;
-        if let Some((first, last)) = span {
-            let inflight = format!("{first}-{last}");
-            retried = self.inbox.session_value(&id, "inflight")?.as_deref() == Some(&inflight);
-            self.inbox
-                .set_session_value(&id, "inflight", Some(&inflight))?;
+        let inflight = span.map(|(first, last)| format!("{first}-{last}"));
+        let retried = inflight.is_some()
+            && self.inbox.session_value(&id, "inflight")?.as_deref() == inflight.as_deref();
+        // Stored together (one flush): the batch and the notes in flight, and its says'
+        // receipts (`TURN:i`) kept whatever their age until the turn is committed, so a reply
+        // sent again after a long outage sends each say at most once.
+        let keep = format!("{turn_id}:");
+        let through = note_span.map(|(_, through)| through.to_string());
+        let mut values = vec![(crate::inbox::retention::KEEP_RECEIPTS, Some(keep.as_str()))];
+        if inflight.is_some() {
+            values.push(("inflight", inflight.as_deref()));
         }
-        if let Some((_, through)) = note_span {
-            self.inbox
-                .set_session_value(&id, "inflight_notes", Some(&through.to_string()))?;
+        if through.is_some() {
+            values.push(("inflight_notes", through.as_deref()));
         }
+        self.inbox.set_session_values(&id, &values)?;
         let stored_output = self.stored_reply(&turn_id);
         let started = Instant::now();
         // What a fresh start would write: its rehydration, then the lines this session holds

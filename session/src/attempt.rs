@@ -312,16 +312,7 @@ pub struct Attempt {
 impl Attempt {
     /// A turn with what the edge knows, and its first action.
     pub fn start(start: Start) -> (Self, Action) {
-        let mut a = Self {
-            on_request: false,
-            start,
-            stage: Stage::Deciding,
-            has_session: start.has_session,
-            runs: 0,
-            respawned: false,
-            refusals: 0,
-            changed: false,
-        };
+        let mut a = Self::new(start);
         let action = a.begin();
         (a, action)
     }
@@ -339,16 +330,43 @@ impl Attempt {
             checkpoint,
             restarted: false,
         };
-        let (mut a, _) = Self::start(start);
+        let mut a = Self::new(start);
         a.on_request = true;
         a.changed = true;
-        let action = if checkpoint {
-            a.stage = Stage::Checkpoint;
-            a.run_new(Text::Checkpoint)
-        } else {
-            a.compact_planned()
-        };
+        let action = a.checkpoint_or_compact();
         (a, action)
+    }
+
+    fn new(start: Start) -> Self {
+        Self {
+            on_request: false,
+            start,
+            stage: Stage::Deciding,
+            has_session: start.has_session,
+            runs: 0,
+            respawned: false,
+            refusals: 0,
+            changed: false,
+        }
+    }
+
+    /// Before a planned compaction, the checkpoint turn when her operator asked for one.
+    fn checkpoint_or_compact(&mut self) -> Action {
+        if self.start.checkpoint {
+            self.stage = Stage::Checkpoint;
+            self.run_new(Text::Checkpoint)
+        } else {
+            self.compact_planned()
+        }
+    }
+
+    /// Her session is given up (it holds no failed attempt's text any more), going on at
+    /// `next`.
+    fn give_up_session(&mut self, why: FreshWhy, next: Stage) -> Action {
+        self.has_session = false;
+        self.changed = true;
+        self.stage = next;
+        Action::FreshStart(why)
     }
 
     /// The planned compaction (the policy's or her operator's).
@@ -372,21 +390,11 @@ impl Attempt {
         match self.start.decision {
             // A session that does not exist yet has nothing to compact or start over.
             Decision::FreshStart(r) if self.has_session => {
-                self.stage = Stage::Deciding;
-                self.has_session = false;
-                self.changed = true;
-                self.changed = true;
-                Action::FreshStart(FreshWhy::Policy(r))
+                self.give_up_session(FreshWhy::Policy(r), Stage::Deciding)
             }
-            Decision::Compact(r) if self.has_session => {
+            Decision::Compact(_) if self.has_session => {
                 self.changed = true;
-                if self.start.checkpoint {
-                    self.stage = Stage::Checkpoint;
-                    self.run_new(Text::Checkpoint)
-                } else {
-                    self.stage = Stage::Compacting;
-                    Action::Compact(CompactWhy::Policy(r))
-                }
+                self.checkpoint_or_compact()
             }
             _ => self.choose_text(),
         }
@@ -454,10 +462,7 @@ impl Attempt {
             (Stage::Checkpoint, Event::Died) => self.died(),
             (Stage::CheckpointKept, _) => self.compact_planned(),
             (Stage::Compacting, Event::CompactFailed) => {
-                self.has_session = false;
-                self.changed = true;
-                self.stage = Stage::Deciding;
-                Action::FreshStart(FreshWhy::CompactionFailed)
+                self.give_up_session(FreshWhy::CompactionFailed, Stage::Deciding)
             }
             (Stage::Compacting, _) if self.on_request => {
                 self.finish(Action::Compacted { compacted: true })
@@ -508,10 +513,7 @@ impl Attempt {
                 })
             }
             (Stage::CompactingRefused, Event::CompactFailed) => {
-                self.has_session = false;
-                self.changed = true;
-                self.stage = Stage::Refreshed;
-                Action::FreshStart(FreshWhy::CompactionFailed)
+                self.give_up_session(FreshWhy::CompactionFailed, Stage::Refreshed)
             }
             (Stage::CompactingRefused, _) => {
                 self.stage = Stage::Recomposing;
@@ -560,11 +562,7 @@ impl Attempt {
             if self.runs >= ATTEMPTS {
                 return self.finish(Action::Fail(Failure::Cli));
             }
-            self.has_session = false;
-            self.changed = true;
-            self.changed = true;
-            self.stage = Stage::Restarting;
-            return Action::FreshStart(FreshWhy::ResumeFailed);
+            return self.give_up_session(FreshWhy::ResumeFailed, Stage::Restarting);
         }
         match r.outcome {
             Outcome::PromptTooLong | Outcome::BlockingLimit => self.refused(),
@@ -585,12 +583,7 @@ impl Attempt {
                 Action::Unsee
             }
             // Refused after compacting: once more, in a fresh session.
-            2 if self.has_session => {
-                self.has_session = false;
-                self.changed = true;
-                self.stage = Stage::Refreshed;
-                Action::FreshStart(FreshWhy::RefusedAgain)
-            }
+            2 if self.has_session => self.give_up_session(FreshWhy::RefusedAgain, Stage::Refreshed),
             _ => self.finish(Action::Fail(Failure::TooLong)),
         }
     }

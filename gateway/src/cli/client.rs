@@ -150,18 +150,10 @@ pub(crate) fn keygen(out: &Path, agent: &str, personas: &[String]) -> Result<(),
             out.display()
         )));
     }
-    let mut seed = [0u8; 32];
-    for chunk in seed.chunks_mut(16) {
-        chunk.copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
-    }
-    // uuid v4 has 122 random bits per 16 bytes; hash them so every key bit is uniform.
-    let seed: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
-        <sha2::Sha256 as sha2::Digest>::new(),
-        seed,
-    ))
-    .into();
+    let seed = gateway::config::new_key_seed();
     let key = SigningKey::from_bytes(&seed);
-    write_private(out, &hex(&seed)).with_context(|| format!("writing {}", out.display()))?;
+    gateway::config::write_private(out, &hex(&seed))
+        .with_context(|| format!("writing {}", out.display()))?;
     let public = hex(key.verifying_key().as_bytes());
     println!("{}", grant_block(agent, &public, personas));
     Ok(())
@@ -179,18 +171,6 @@ fn grant_block(agent: &str, public: &str, personas: &[String]) -> String {
          verbs = [\"pending\", \"status\"]",
         personas.join(", ")
     )
-}
-
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    #[cfg(unix)]
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    opts.mode(0o600);
-    let mut f = opts.open(path)?;
-    writeln!(f, "{text}")
 }
 
 /// Either transport, for the one place that does not care.

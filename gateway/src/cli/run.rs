@@ -162,12 +162,7 @@ async fn serve(path: &Path, mut cfg: Config) -> anyhow::Result<()> {
         )
     })?;
     tracing::info!(
-        server_key = %server_key
-            .verifying_key()
-            .as_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>(),
+        server_key = %gateway::config::hex(server_key.verifying_key().as_bytes()),
         "CultNet server key (clients may pin it: --server-key)"
     );
     let service = service.with_server_key(server_key);

@@ -98,7 +98,7 @@ impl Inbox {
         let mut needed: std::collections::HashMap<String, Option<String>> = Default::default();
         for item in st.receipts.iter() {
             let (k, v) = item?;
-            let (at, receipt) = decode_receipt(&k, &v)?;
+            let (at, receipt, _) = decode_receipt(&k, &v)?;
             if let Some((persona, id)) = split_key(&k) {
                 let prefix = match needed.get(persona) {
                     Some(p) => p.clone(),

@@ -236,7 +236,6 @@ impl Service {
 /// in a 0700 directory): read, or made once. Its public half is what clients pin to know they
 /// reached the gateway (`--server-key`).
 pub fn server_key(state_dir: &std::path::Path) -> std::io::Result<ed25519_dalek::SigningKey> {
-    use std::io::Write;
     let dir = state_dir.join("cultnet");
     let path = dir.join("server.key");
     if let Ok(text) = std::fs::read_to_string(&path) {
@@ -255,21 +254,7 @@ pub fn server_key(state_dir: &std::path::Path) -> std::io::Result<ed25519_dalek:
     #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
     builder.create(&dir)?;
-    // Two v4 UUIDs (122 random bits each) hashed, so every bit of the seed is uniform.
-    let mut raw = [0u8; 32];
-    raw[..16].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
-    raw[16..].copy_from_slice(&uuid::Uuid::new_v4().into_bytes());
-    let seed: [u8; 32] = sha2::Digest::finalize(sha2::Digest::chain_update(
-        <sha2::Sha256 as sha2::Digest>::new(),
-        raw,
-    ))
-    .into();
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create_new(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
-    let mut f = opts.open(&path)?;
-    writeln!(f, "{}", crate::config::hex(&seed))?;
-    f.sync_all()?;
+    let seed = crate::config::new_key_seed();
+    crate::config::write_private(&path, &crate::config::hex(&seed))?;
     Ok(ed25519_dalek::SigningKey::from_bytes(&seed))
 }
