@@ -4,7 +4,9 @@
 //!
 //! Checks: the config parses; per Persona her token file (present, private), her homeserver
 //! (answers `/versions`), her token (`whoami`: valid, and hers), her rooms (aliases resolve,
-//! joined), her Matrix store (present when she ran before, same device), and for a live
+//! joined), her identity (her device signed by her cross-signing identity as `/keys/query`
+//! shows it, her key backup, her recovery key file), her Matrix store (present when she ran
+//! before, same device; `recover` named when it is lost), and for a live
 //! session the claude CLI (runs; the pinned version recommended), her model credential, her
 //! doctrine, reply schema and state files; then the state directory (writable, not locked by a
 //! running gateway), the QUIC certificate and the CultNet client keys.
@@ -235,7 +237,7 @@ async fn persona(cfg: &Config, p: &Persona) -> Vec<Line> {
             None
         }
     };
-    out.extend(matrix(p, token.as_ref().map(|t| t.expose())).await);
+    out.extend(matrix(cfg, p, token.as_ref().map(|t| t.expose())).await);
     out.push(store(cfg, p));
     if p.session.mode == SessionMode::Live {
         out.extend(live(p).await);
@@ -244,7 +246,7 @@ async fn persona(cfg: &Config, p: &Persona) -> Vec<Line> {
 }
 
 /// The homeserver, her token and her rooms.
-async fn matrix(p: &Persona, token: Option<&str>) -> Vec<Line> {
+async fn matrix(cfg: &Config, p: &Persona, token: Option<&str>) -> Vec<Line> {
     let s = |what: &str| format!("{}: {what}", p.id);
     let mut out = Vec::new();
     let versions = format!(
@@ -399,6 +401,144 @@ async fn matrix(p: &Persona, token: Option<&str>) -> Vec<Line> {
             ));
         }
     }
+    out.extend(identity(cfg, p, &client).await);
+    out
+}
+
+/// Her cryptographic identity as other clients see it (`/keys/query`, the key backup's
+/// version) and her recovery key file: each missing part a warning with its fix.
+async fn identity(cfg: &Config, p: &Persona, client: &Client) -> Vec<Line> {
+    use matrix_sdk::ruma::api::client::backup::get_latest_backup_info;
+    use matrix_sdk::ruma::api::client::keys::get_keys;
+    let s = |what: &str| format!("{}: {what}", p.id);
+    let mut out = Vec::new();
+    let started = crate::matrix::Paths::new(&cfg.state_dir, &p.id)
+        .record
+        .exists();
+    let off = !p.encryption.cross_signing;
+    let later = |what: &str| {
+        if off {
+            bad(
+                Level::Warn,
+                &s(what),
+                "off (encryption.cross_signing = false)",
+                "set encryption.cross_signing = true: clients that read only cross-signed devices do not read her",
+            )
+        } else {
+            ok(&s(what), "not yet: set up at her first start")
+        }
+    };
+    let Ok(user) = matrix_sdk::ruma::OwnedUserId::try_from(p.user_id.as_str()) else {
+        return out;
+    };
+    let mut req = get_keys::v3::Request::new();
+    req.device_keys.insert(user.clone(), Vec::new());
+    match client.send(req).await {
+        Ok(keys) => {
+            let ssk = keys
+                .self_signing_keys
+                .get(&user)
+                .and_then(|k| k.deserialize().ok())
+                .and_then(|k| k.keys.keys().next().map(|id| id.to_string()));
+            let signed = keys
+                .device_keys
+                .get(&user)
+                .and_then(|d| {
+                    d.iter()
+                        .find(|(id, _)| id.as_str() == p.device_id)
+                        .map(|(_, k)| k)
+                })
+                .and_then(|k| k.deserialize().ok())
+                .zip(ssk.as_ref())
+                .is_some_and(|(k, ssk)| {
+                    k.signatures
+                        .get(&user)
+                        .is_some_and(|sigs| sigs.keys().any(|id| id.as_str() == ssk))
+                });
+            if signed {
+                out.push(ok(
+                    &s("cross-signing"),
+                    format!("device {} is signed by her identity", p.device_id),
+                ));
+            } else if !started || off {
+                out.push(later("cross-signing"));
+            } else {
+                let found = if ssk.is_some() {
+                    format!("device {} is not signed by her identity", p.device_id)
+                } else {
+                    "she has no cross-signing identity".to_owned()
+                };
+                out.push(bad(
+                    Level::Warn,
+                    &s("cross-signing"),
+                    found,
+                    format!(
+                        "read the gateway's log at her start (\"her identity is not secured\"): set encryption.password_file if the homeserver asks for her password, or put her recovery key in {}",
+                        p.recovery_key_path(&cfg.state_dir).display()
+                    ),
+                ));
+            }
+        }
+        Err(e) => out.push(bad(
+            Level::Warn,
+            &s("cross-signing"),
+            format!("her device keys could not be read: {e}"),
+            "check the homeserver",
+        )),
+    }
+    match client
+        .send(get_latest_backup_info::v3::Request::new())
+        .await
+    {
+        Ok(info) => out.push(ok(
+            &s("key backup"),
+            format!("on (version {})", info.version),
+        )),
+        Err(e)
+            if e.as_client_api_error()
+                .is_some_and(|a| a.status_code.as_u16() == 404) =>
+        {
+            if !started || off {
+                out.push(later("key backup"));
+            } else {
+                out.push(bad(
+                    Level::Warn,
+                    &s("key backup"),
+                    "off: her room keys are kept on this machine only",
+                    "read the gateway's log at her start (\"her identity is not secured\")",
+                ));
+            }
+        }
+        Err(e) => out.push(bad(
+            Level::Warn,
+            &s("key backup"),
+            format!("could not be read: {e}"),
+            "check the homeserver",
+        )),
+    }
+    let path = p.recovery_key_path(&cfg.state_dir);
+    match p.load_recovery_key(&cfg.state_dir) {
+        Ok(Some(_)) => out.push(ok(
+            &s("recovery key"),
+            format!(
+                "{} (keep a copy away from this machine: `recover` needs it after a lost store)",
+                path.display()
+            ),
+        )),
+        Ok(None) if !started || off => out.push(later("recovery key")),
+        Ok(None) => out.push(bad(
+            Level::Warn,
+            &s("recovery key"),
+            format!("{} is not there", path.display()),
+            "keep her recovery key where you can find it: without it a lost store cannot be recovered",
+        )),
+        Err(e) => out.push(bad(
+            Level::Fail,
+            &s("recovery key"),
+            e.problem.clone(),
+            format!("chmod 600 {}", path.display()),
+        )),
+    }
     out
 }
 
@@ -456,7 +596,10 @@ fn store(cfg: &Config, p: &Persona) -> Line {
                 paths.record.display(),
                 paths.store.display()
             ),
-            "restore the state directory from a backup (deploy/README.md: a lost store)",
+            format!(
+                "restore the state directory from a backup, or log in with a NEW device id and run `cultnet-gateway recover --persona {}` with her recovery key",
+                p.id
+            ),
         );
     }
     match device {

@@ -253,6 +253,43 @@ pub struct Persona {
     /// What starts her turns (`[persona.turns]`).
     #[serde(default)]
     pub turns: Turns,
+    /// Her cryptographic identity and her Matrix store at rest (`[persona.encryption]`).
+    #[serde(default)]
+    pub encryption: Encryption,
+}
+
+/// Her cryptographic identity (cross-signing, key backup, recovery key) and her Matrix store
+/// at rest. With the defaults she signs her own device at her first start (when the
+/// homeserver lets the first upload through without a password), turns on key backup, and
+/// writes her recovery key to `STATE/personas/ID/recovery-key` for the operator to keep.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Encryption {
+    /// Bootstrap and check cross-signing and key backup at every start (default true).
+    pub cross_signing: bool,
+    /// Her account password (mode 0600), read only when the homeserver asks for it to accept
+    /// her first cross-signing upload, and by `recover` to delete her lost device.
+    pub password_file: Option<PathBuf>,
+    /// Her recovery key (mode 0600): read when it exists, written once when she makes one.
+    /// Default `STATE/personas/ID/recovery-key`.
+    pub recovery_key_file: Option<PathBuf>,
+    /// A passphrase for her Matrix store (mode 0600), which encrypts it at rest. Set it before
+    /// her first start: an existing store cannot be opened with a new passphrase.
+    pub store_passphrase_file: Option<PathBuf>,
+    /// Or: the name of a systemd credential (`LoadCredential=`) holding the passphrase.
+    pub store_passphrase_credential: Option<String>,
+}
+
+impl Default for Encryption {
+    fn default() -> Self {
+        Self {
+            cross_signing: true,
+            password_file: None,
+            recovery_key_file: None,
+            store_passphrase_file: None,
+            store_passphrase_credential: None,
+        }
+    }
 }
 
 /// What starts a live Persona's turns ([`session::admission`] decides by these).
@@ -684,6 +721,15 @@ impl Config {
                 }
                 _ => {}
             }
+            if p.encryption.store_passphrase_file.is_some()
+                && p.encryption.store_passphrase_credential.is_some()
+            {
+                return Err(err(
+                    who,
+                    "encryption.store_passphrase_file",
+                    "set either store_passphrase_file or store_passphrase_credential, not both",
+                ));
+            }
             for (j, r) in p.rooms.iter().enumerate() {
                 if !(r.starts_with('#') || r.starts_with('!')) {
                     return Err(err(
@@ -826,6 +872,59 @@ fn is_user_id(s: &str) -> bool {
 }
 
 impl Persona {
+    /// Where her recovery key is kept: `encryption.recovery_key_file`, or
+    /// `STATE/personas/ID/recovery-key`.
+    pub fn recovery_key_path(&self, state_dir: &Path) -> PathBuf {
+        self.encryption
+            .recovery_key_file
+            .clone()
+            .unwrap_or_else(|| {
+                state_dir
+                    .join("personas")
+                    .join(&self.id)
+                    .join("recovery-key")
+            })
+    }
+
+    /// Reads her recovery key, `None` when its file does not exist (yet). A file readable by
+    /// group or others is refused.
+    pub fn load_recovery_key(&self, state_dir: &Path) -> Result<Option<Secret>, ConfigError> {
+        let path = self.recovery_key_path(state_dir);
+        if !path.exists() {
+            return Ok(None);
+        }
+        read_private(&path)
+            .map(Some)
+            .map_err(|p| err(Some(&self.id), "encryption.recovery_key_file", p))
+    }
+
+    /// Reads her account password, `None` when none is configured.
+    pub fn load_password(&self) -> Result<Option<Secret>, ConfigError> {
+        let Some(path) = &self.encryption.password_file else {
+            return Ok(None);
+        };
+        read_private(path)
+            .map(Some)
+            .map_err(|p| err(Some(&self.id), "encryption.password_file", p))
+    }
+
+    /// Reads the passphrase of her Matrix store, `None` when none is configured.
+    pub fn load_store_passphrase(&self) -> Result<Option<Secret>, ConfigError> {
+        let e = &self.encryption;
+        let who = Some(self.id.as_str());
+        let path = match (&e.store_passphrase_file, &e.store_passphrase_credential) {
+            (Some(f), _) => f.clone(),
+            (None, Some(name)) => {
+                let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| err(who, "encryption.store_passphrase_credential", "CREDENTIALS_DIRECTORY is not set: is the gateway running under systemd with LoadCredential=?"))?;
+                Path::new(&dir).join(name)
+            }
+            (None, None) => return Ok(None),
+        };
+        read_private(&path)
+            .map(Some)
+            .map_err(|p| err(who, "encryption.store_passphrase_file", p))
+    }
+
     /// Reads her access token. A token file readable by group or others is refused.
     pub fn load_token(&self) -> Result<Secret, ConfigError> {
         let who = Some(self.id.as_str());
@@ -1223,6 +1322,45 @@ operators = ["@op:localhost"]
             decided("continuity_percent = 100"),
             Decision::FreshStart(Reason::ColdCache)
         );
+    }
+
+    #[test]
+    fn her_encryption_keys_are_read_from_private_files_with_sane_defaults() {
+        let enc = |body: &str| Config::parse(&format!("{GOOD}\n[persona.encryption]\n{body}"));
+        let c = Config::parse(GOOD).unwrap();
+        let p = &c.personas[0];
+        assert!(p.encryption.cross_signing, "on by default");
+        assert_eq!(
+            p.recovery_key_path(Path::new("/s")),
+            Path::new("/s/personas/mira/recovery-key")
+        );
+        assert_eq!(p.load_password().unwrap(), None);
+        assert_eq!(p.load_store_passphrase().unwrap(), None);
+        let e =
+            enc("store_passphrase_file = \"/a\"\nstore_passphrase_credential = \"b\"").unwrap_err();
+        assert_eq!(e.key, "encryption.store_passphrase_file");
+        assert!(enc("recovery_key = \"x\"").is_err(), "unknown keys refused");
+
+        let dir = crate::scratch::Dir::new("enc-keys");
+        std::fs::create_dir_all(&*dir).unwrap();
+        let key = dir.join("key");
+        let c = enc(&format!(
+            "recovery_key_file = {key:?}\npassword_file = {key:?}"
+        ))
+        .unwrap();
+        let p = &c.personas[0];
+        assert_eq!(p.load_recovery_key(&dir).unwrap(), None, "not there yet");
+        write_private(&key, "EsTc abcd").unwrap();
+        assert_eq!(
+            p.load_recovery_key(&dir).unwrap().unwrap().expose(),
+            "EsTc abcd"
+        );
+        assert_eq!(p.load_password().unwrap().unwrap().expose(), "EsTc abcd");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = p.load_recovery_key(&dir).unwrap_err();
+        assert_eq!(e.key, "encryption.recovery_key_file");
+        assert!(e.problem.contains("chmod 600"), "{e}");
     }
 
     #[test]

@@ -105,6 +105,8 @@ pub struct Ear {
     timelines: HashMap<String, Timeline>,
     /// Rooms whose history was read with `/messages` for context in this process.
     backfilled: std::collections::HashSet<String>,
+    /// Megolm sessions last looked up in her key backup, and when (at most once a minute).
+    looked_up: HashMap<String, std::time::Instant>,
     signals: Arc<Signals>,
     stats: Arc<EarStats>,
 }
@@ -138,6 +140,7 @@ impl Ear {
             me,
             timelines: HashMap::new(),
             backfilled: Default::default(),
+            looked_up: HashMap::new(),
             signals,
             stats,
         }
@@ -358,7 +361,7 @@ impl Ear {
 
     /// Retries the held (undecryptable) events: those that decrypt now, and those whose wait
     /// ran out (as placeholders), come back as deliveries with their ids to release.
-    async fn retry_held(&self) -> Result<(Vec<wire::docs::Delivery>, Vec<String>), EarError> {
+    async fn retry_held(&mut self) -> Result<(Vec<wire::docs::Delivery>, Vec<String>), EarError> {
         let held = self.inbox.held(&self.persona.id)?;
         let mut out = Vec::new();
         let mut release = Vec::new();
@@ -375,12 +378,7 @@ impl Ear {
                 .and_then(|id| self.client.get_room(&id));
             let event_id = matrix_sdk::ruma::OwnedEventId::try_from(d.event_id.as_str()).ok();
             let clear = match (room, event_id) {
-                (Some(room), Some(event_id)) => match room.event(&event_id, None).await {
-                    Ok(ev) if !matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) => {
-                        serde_json::from_str::<Value>(ev.raw().json().get()).ok()
-                    }
-                    _ => None,
-                },
+                (Some(room), Some(event_id)) => self.decrypted(&room, &event_id).await,
                 _ => None,
             };
             let info = RoomInfo {
@@ -407,6 +405,52 @@ impl Ear {
             }
         }
         Ok((out, release))
+    }
+
+    /// A held event in clear, if it decrypts now. When it does not, its room key is looked up
+    /// in her key backup (a key the SDK also asks her other devices and the sender for) and
+    /// the event tried once more.
+    async fn decrypted(
+        &mut self,
+        room: &matrix_sdk::Room,
+        event_id: &matrix_sdk::ruma::EventId,
+    ) -> Option<Value> {
+        let ev = room.event(event_id, None).await.ok()?;
+        if !matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) {
+            return serde_json::from_str::<Value>(ev.raw().json().get()).ok();
+        }
+        let raw: Value = serde_json::from_str(ev.raw().json().get()).ok()?;
+        let session = raw["content"]["session_id"].as_str()?.to_owned();
+        let now = std::time::Instant::now();
+        if self
+            .looked_up
+            .get(&session)
+            .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(60))
+        {
+            return None;
+        }
+        self.looked_up.insert(session.clone(), now);
+        match self
+            .client
+            .encryption()
+            .backups()
+            .download_room_key(room.room_id(), &session)
+            .await
+        {
+            Ok(true) => {
+                tracing::info!(persona = %self.persona.id, event = %event_id, "room key looked up in her key backup");
+            }
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(persona = %self.persona.id, event = %event_id, "room key not in her key backup: {e}");
+                return None;
+            }
+        }
+        let ev = room.event(event_id, None).await.ok()?;
+        if matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) {
+            return None;
+        }
+        serde_json::from_str::<Value>(ev.raw().json().get()).ok()
     }
 
     /// Loads a room's stored timeline the first time the room is seen in this process.

@@ -7,7 +7,8 @@
 //! - [`config`]: the TOML configuration; errors name the Persona and the key; tokens are
 //!   [`config::Secret`]s read from private files or systemd credentials.
 //! - [`inbox`]: the durable sled inbox (one batch per sync response, seqs, acks, receipts).
-//! - [`matrix`]: a Persona's matrix-sdk client, its store checks and the retry rules.
+//! - [`matrix`]: a Persona's matrix-sdk client, its store checks and the retry rules;
+//!   [`identity`]: her cross-signing, key backup and recovery key, and `recover`.
 //! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends.
 //! - [`turns`]: her live session's turn loop; [`processes`]: the gateway-wide cap on live
 //!   claude processes (the least recently used idle one makes room).
@@ -26,6 +27,7 @@ pub mod ear;
 pub mod endpoint;
 pub mod event;
 pub mod exporter;
+pub mod identity;
 pub mod inbox;
 pub mod markdown;
 pub mod matrix;

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use matrix_sdk::authentication::matrix::MatrixSession;
 use matrix_sdk::config::RequestConfig;
+use matrix_sdk::encryption::{BackupDownloadStrategy, EncryptionSettings};
 use matrix_sdk::ruma::api::error::{ErrorKind, RetryAfter};
 use matrix_sdk::store::{RoomLoadSettings, StateStoreDataKey};
 use matrix_sdk::{Client, HttpError, SessionMeta, SessionTokens};
@@ -44,7 +45,7 @@ pub enum MatrixError {
         errcode: String,
     },
     /// The SDK store is missing while a session was recorded.
-    #[error("persona {persona}: the Matrix store {store} is missing but a session for device {device_id} was recorded in {record}. Encrypted messages would be lost for good. Restore the state directory from a backup, or start over: stop the gateway, delete {record} and {store}, log in again with a NEW device id (put it and the new token in the config), and delete the old device")]
+    #[error("persona {persona}: the Matrix store {store} is missing but a session for device {device_id} was recorded in {record}. Restore the state directory from a backup, or log in again with a NEW device id (put it and the new token in the config) and run `cultnet-gateway recover --config FILE --persona {persona}` with her recovery key: her new device is signed and her room keys come back from her key backup; her inbox and sends are kept")]
     LostCryptoStore {
         /// Persona id.
         persona: String,
@@ -98,6 +99,9 @@ pub enum MatrixError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// Her store passphrase could not be read.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// Reading or writing the session record.
     #[error("persona {persona}: session record {path}: {source}")]
     Record {
@@ -150,7 +154,8 @@ impl Paths {
         }
     }
 
-    fn store_exists(&self) -> bool {
+    /// Whether her SDK store (its crypto database) is there.
+    pub fn store_exists(&self) -> bool {
         self.store.join("matrix-sdk-crypto.sqlite3").exists()
     }
 }
@@ -210,9 +215,17 @@ pub async fn connect(
         path: paths.store.clone(),
         source: e,
     })?;
+    let passphrase = persona.load_store_passphrase()?;
     let client = Client::builder()
         .homeserver_url(&persona.homeserver)
-        .sqlite_store(&paths.store, None)
+        .sqlite_store(&paths.store, passphrase.as_ref().map(Secret::expose))
+        // Her identity is set up by `identity::secure` (with the operator's password when the
+        // homeserver asks), not in the background where a failure would only be logged.
+        .with_encryption_settings(EncryptionSettings {
+            auto_enable_cross_signing: false,
+            auto_enable_backups: false,
+            backup_download_strategy: BackupDownloadStrategy::AfterDecryptionFailure,
+        })
         .request_config(
             RequestConfig::new()
                 .disable_retry()
@@ -220,7 +233,14 @@ pub async fn connect(
         )
         .build()
         .await
-        .map_err(sdk(id, "building the Matrix client"))?;
+        .map_err(sdk(
+            id,
+            if passphrase.is_some() {
+                "opening the Matrix store (a store made without this passphrase, or with another one, does not open)"
+            } else {
+                "opening the Matrix store (a store made with a passphrase needs encryption.store_passphrase_file)"
+            },
+        ))?;
     let store = client.state_store();
     let sdk_token = store
         .get_kv_data(StateStoreDataKey::SyncToken)
@@ -446,7 +466,9 @@ access_token_file = "/nonexistent"
         assert!(matches!(err, MatrixError::LostCryptoStore { .. }), "{err}");
         let text = err.to_string();
         assert!(
-            text.contains("NEW device id") && text.contains("session.json"),
+            text.contains("NEW device id")
+                && text.contains("session.json")
+                && text.contains("cultnet-gateway recover"),
             "{text}"
         );
         // An unreadable record is an error, not a missing record (which would skip the check).

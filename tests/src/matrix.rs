@@ -83,6 +83,7 @@ pub fn persona(hs: &str, id: &str, rooms: &[&str], operators: &[&str]) -> Person
         session: Default::default(),
         budget: Default::default(),
         turns: Default::default(),
+        encryption: Default::default(),
     }
 }
 

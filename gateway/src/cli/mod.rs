@@ -72,6 +72,19 @@ enum Command {
         #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
         config: PathBuf,
     },
+    /// Bring a Persona back after her Matrix store was lost: with a token for a NEW device
+    /// (its id in the config) and her recovery key (encryption.recovery_key_file), her new
+    /// device is signed from her secret storage and her key backup opens for it, so messages
+    /// sent to the lost device decrypt. Her inbox, sync position and sends are kept. Run it
+    /// with the gateway stopped; start the gateway after it.
+    Recover {
+        /// The configuration file.
+        #[arg(long, short, default_value = "/etc/cultnet-gateway/gateway.toml")]
+        config: PathBuf,
+        /// The Persona.
+        #[arg(long)]
+        persona: String,
+    },
     /// Make a new CultNet client key: writes its secret (mode 0600) and prints the
     /// `[[cultnet.client]]` block with its public key.
     Keygen {
@@ -175,6 +188,7 @@ pub(crate) fn run(args: Args) -> Result<(), Failure> {
             out,
         } => report(&config, persona.as_deref(), &out),
         Command::Check { config } => check(&config),
+        Command::Recover { config, persona } => recover(&config, &persona),
         Command::Keygen {
             out,
             agent,
@@ -220,6 +234,69 @@ fn check(config: &std::path::Path) -> Result<(), Failure> {
             .count();
         return Err(anyhow::anyhow!("{n} check(s) failed").into());
     }
+    Ok(())
+}
+
+fn recover(config: &std::path::Path, persona: &str) -> Result<(), Failure> {
+    use anyhow::Context as _;
+    let cfg = gateway::config::Config::load(config).map_err(|e| Failure::input(e.into()))?;
+    let p = cfg
+        .personas
+        .iter()
+        .find(|p| p.id == persona)
+        .ok_or_else(|| {
+            Failure::input(anyhow::anyhow!(
+                "no Persona {persona:?} in {}",
+                config.display()
+            ))
+        })?;
+    // Held while recovering: no gateway may run with this state directory meanwhile.
+    let inbox_path = cfg.state_dir.join("inbox");
+    let _inbox = gateway::inbox::Inbox::open(&inbox_path).map_err(|e| {
+        if e.is_contention() {
+            anyhow::anyhow!(
+                "{} is locked: a gateway is running with it; stop it first",
+                inbox_path.display()
+            )
+        } else {
+            anyhow::Error::new(e).context(format!("opening the inbox {}", inbox_path.display()))
+        }
+    })?;
+    let token = p.load_token().map_err(|e| Failure::input(e.into()))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let done = rt
+        .block_on(gateway::identity::recover(p, &cfg.state_dir, &token))
+        .map_err(anyhow::Error::new)?;
+    for m in &done.moved {
+        println!(
+            "{}: the lost store's remains moved to {}",
+            p.id,
+            m.display()
+        );
+    }
+    match (&done.old_device, done.old_device_deleted) {
+        (Some(d), true) => println!("{}: her lost device {d} is deleted from her account", p.id),
+        (Some(d), false) => println!(
+            "{}: her lost device {d} is still on her account: delete it from a client of hers (or set encryption.password_file and run recover again)",
+            p.id
+        ),
+        (None, _) => {}
+    }
+    let s = &done.standing;
+    println!(
+        "{}: device {} cross-signed: {}, key backup: {}",
+        p.id,
+        p.device_id,
+        if s.cross_signed { "yes" } else { "NO" },
+        if s.backup { "on" } else { "OFF" }
+    );
+    println!(
+        "{}: recovered; start the gateway: her pending mail is delivered once, in clear",
+        p.id
+    );
     Ok(())
 }
 

@@ -454,6 +454,20 @@ async fn start_persona(
             .await
             .context("first sync (recording the position)")?;
     }
+    if p.encryption.cross_signing {
+        // She still speaks when this fails (clients that read only cross-signed devices will
+        // not read her); `check` names the fix too.
+        match gateway::identity::secure(&client, p, &cfg.state_dir).await {
+            Ok(s) => tracing::info!(
+                persona = %p.id,
+                cross_signed = s.cross_signed,
+                backup = s.backup,
+                recovery_key_present = s.recovery_key_present,
+                "her identity"
+            ),
+            Err(e) => tracing::error!(persona = %p.id, "her identity is not secured: {e}"),
+        }
+    }
     let mouth = Mouth::new(&p.id, client, inbox.clone(), rooms).with_metrics(parts.metrics.clone());
     tasks.spawn(ear.run(stop.clone()));
     let mut port = Port {
