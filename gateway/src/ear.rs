@@ -237,10 +237,14 @@ impl Ear {
                 }
             }
             // In a room she joined in this response, what precedes her join is history:
-            // context, not mail, and no gap fill reaches back before it.
-            let joined_at = fresh
-                .iter()
-                .rposition(|(_, ev)| event::is_own_join(ev, &self.me));
+            // context, not mail, and no gap fill reaches back before it; in her operator's DM,
+            // his lines since the invite are mail.
+            let history = event::history_before(
+                fresh.iter().map(|(_, ev)| ev),
+                &self.me,
+                &self.persona.operators,
+            );
+            let joined_at = history.joined_at;
             let mut events: Vec<(bool, Value)> = Vec::new();
             if let (true, None, Some(since), Some(prev)) = (
                 update.timeline.limited,
@@ -250,7 +254,7 @@ impl Ear {
             ) {
                 events = self.gap_fill(&room, prev, since).await?;
             }
-            let mail_from = joined_at.map_or(0, |i| events.len() + i + 1);
+            let mail_from = history.mail_after.map_or(0, |i| events.len() + i + 1);
             events.extend(fresh);
             self.timeline_loaded(&info.room_id)?;
             // Deleted (redacted) messages never reach her: one stored before is blanked where
@@ -281,8 +285,17 @@ impl Ear {
                     .unwrap_or_default();
                 let tl = self.timelines.entry(info.room_id.clone()).or_default();
                 let seen = tl.iter().any(|(_, l)| l.event_id == id);
+                // The line a reaction annotates, when the timeline holds it.
+                let reacted = event::reaction(&ev).and_then(|(target, _)| {
+                    tl.iter()
+                        .find(|(_, l)| l.event_id == target)
+                        .map(|(_, l)| l.clone())
+                });
                 if !seen {
-                    if let Some(line) = event::context_line(&ev, sender_name.clone()) {
+                    let line = event::context_line(&ev, sender_name.clone()).or_else(|| {
+                        event::reaction_line(&ev, sender_name.clone(), reacted.as_ref())
+                    });
+                    if let Some(line) = line {
                         let thread = event::thread_of(&ev).map(str::to_owned);
                         tl.push_back((thread.clone(), line.clone()));
                         if tl.len() > TIMELINE_CAP {
@@ -298,7 +311,18 @@ impl Ear {
                 if since.is_none() || i < mail_from {
                     continue;
                 }
-                if let Some(mut d) = event::delivery(&ev, &info, &self.me, sender_name) {
+                let mail =
+                    event::delivery(&ev, &info, &self.me, sender_name.clone()).or_else(|| {
+                        event::reaction_delivery(
+                            &ev,
+                            &info,
+                            &self.me,
+                            sender_name,
+                            reacted.as_ref(),
+                            &self.persona.operators,
+                        )
+                    });
+                if let Some(mut d) = mail {
                     d.context = event::context_for(
                         tl.iter(),
                         &d.event_id,
@@ -320,6 +344,12 @@ impl Ear {
             }
         }
         self.thread_roots(
+            deliveries
+                .iter_mut()
+                .chain(hold.iter_mut().map(|h| &mut h.delivery)),
+        )
+        .await;
+        self.reply_targets(
             deliveries
                 .iter_mut()
                 .chain(hold.iter_mut().map(|h| &mut h.delivery)),

@@ -10,6 +10,8 @@
 //! - thread root from an `m.thread` relation; reply-to from `m.in_reply_to` (a thread's
 //!   fallback reply is not a reply); the quoted fallback of a reply is cut from the text.
 //! - her own events and redacted (bodiless) events are not mail.
+//! - a reaction is a context line (`reacted "KEY" to ^handle`); mail only when one of her
+//!   operators reacts to a line of hers.
 
 use serde_json::Value;
 use wire::docs::{ContextLine, Delivery, DeliveryKind};
@@ -148,6 +150,88 @@ pub fn context_line(ev: &Value, sender_name: Option<String>) -> Option<ContextLi
     })
 }
 
+/// A reaction (`m.reaction` with an `m.annotation` relation): the event it annotates and its
+/// key.
+pub fn reaction(ev: &Value) -> Option<(&str, &str)> {
+    if str_at(ev, &["type"])? != "m.reaction" {
+        return None;
+    }
+    let rel = ev.get("content")?.get("m.relates_to")?;
+    if str_at(rel, &["rel_type"])? != "m.annotation" {
+        return None;
+    }
+    Some((str_at(rel, &["event_id"])?, str_at(rel, &["key"])?))
+}
+
+/// Characters of a reacted-to line quoted in the reaction's line.
+const REACTED_QUOTE_CHARS: usize = 60;
+
+/// The text a reaction shows: `reacted "KEY" to ^handle` and, when the line is known, a short
+/// quote of it. The key is a field (one line, escaped, capped), the quote too.
+fn reaction_text(key: &str, target: &str, line: Option<&ContextLine>) -> String {
+    let key = session::untrusted::field(key, 32);
+    let handle = session::handle::of(target);
+    match line {
+        Some(l) => format!(
+            "reacted \"{key}\" to {handle} (\"{}\")",
+            session::untrusted::field(&l.text, REACTED_QUOTE_CHARS)
+        ),
+        None => format!("reacted \"{key}\" to {handle}"),
+    }
+}
+
+/// The context line a reaction makes in its room's timeline; `line` is the line it annotates
+/// when the timeline holds it.
+pub fn reaction_line(
+    ev: &Value,
+    sender_name: Option<String>,
+    line: Option<&ContextLine>,
+) -> Option<ContextLine> {
+    let (target, key) = reaction(ev)?;
+    Some(ContextLine {
+        event_id: str_at(ev, &["event_id"])?.to_owned(),
+        sender: str_at(ev, &["sender"])?.to_owned(),
+        sender_name,
+        ts: ev.get("origin_server_ts").and_then(Value::as_i64)?,
+        text: reaction_text(key, target, line),
+    })
+}
+
+/// A reaction is mail only when one of her `operators` reacts to a line of hers (`line`, the
+/// line it annotates, from the timeline): it is addressed to her and starts a turn. Every
+/// other reaction is a context line only.
+pub fn reaction_delivery(
+    ev: &Value,
+    room: &RoomInfo,
+    me: &Me,
+    sender_name: Option<String>,
+    line: Option<&ContextLine>,
+    operators: &[String],
+) -> Option<Delivery> {
+    let sender = str_at(ev, &["sender"])?;
+    let line = line.filter(|l| l.sender == me.user_id)?;
+    if !operators.iter().any(|o| o == sender) {
+        return None;
+    }
+    let (target, key) = reaction(ev)?;
+    Some(Delivery {
+        room_id: room.room_id.clone(),
+        room_alias: room.alias.clone(),
+        is_direct: room.is_direct,
+        event_id: str_at(ev, &["event_id"])?.to_owned(),
+        sender: sender.to_owned(),
+        sender_name,
+        ts: ev
+            .get("origin_server_ts")
+            .and_then(Value::as_i64)
+            .unwrap_or(0),
+        kind: DeliveryKind::Text,
+        text: reaction_text(key, target, Some(line)),
+        to_you: true,
+        ..Delivery::default()
+    })
+}
+
 /// Whether `ev` is her own joining of the room (not a profile change while joined): what
 /// comes before it in a timeline is history, context but not mail.
 pub fn is_own_join(ev: &Value, me: &Me) -> bool {
@@ -155,6 +239,53 @@ pub fn is_own_join(ev: &Value, me: &Me) -> bool {
         && str_at(ev, &["state_key"]) == Some(me.user_id.as_str())
         && str_at(ev, &["content", "membership"]) == Some("join")
         && str_at(ev, &["unsigned", "prev_content", "membership"]) != Some("join")
+}
+
+/// Who invited her, when `ev` is her invite into the room.
+pub fn invited_by<'a>(ev: &'a Value, me: &Me) -> Option<&'a str> {
+    (str_at(ev, &["type"]) == Some("m.room.member")
+        && str_at(ev, &["state_key"]) == Some(me.user_id.as_str())
+        && str_at(ev, &["content", "membership"]) == Some("invite"))
+    .then(|| str_at(ev, &["sender"]))
+    .flatten()
+}
+
+/// Where history ends in a room's timeline of one sync response (indices into it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct History {
+    /// Her own joining, when the response has it: what precedes it is history.
+    pub joined_at: Option<usize>,
+    /// The last event that is not mail: her join, or in a DM her operator invited her to, his
+    /// invite (his lines since are mail, even written before she joined).
+    pub mail_after: Option<usize>,
+}
+
+/// Where mail starts in `timeline` (one room's events of one sync response, oldest first).
+pub fn history_before<'a>(
+    timeline: impl Iterator<Item = &'a Value> + Clone,
+    me: &Me,
+    operators: &[String],
+) -> History {
+    let joined_at = timeline
+        .clone()
+        .enumerate()
+        .filter(|(_, ev)| is_own_join(ev, me))
+        .map(|(i, _)| i)
+        .last();
+    let invited_at = joined_at.and_then(|j| {
+        timeline
+            .take(j)
+            .enumerate()
+            .filter(|(_, ev)| {
+                invited_by(ev, me).is_some_and(|by| operators.iter().any(|o| o == by))
+            })
+            .map(|(i, _)| i)
+            .last()
+    });
+    History {
+        joined_at,
+        mail_after: invited_at.or(joined_at),
+    }
 }
 
 /// The thread an event belongs to, if any.

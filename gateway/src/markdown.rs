@@ -71,6 +71,59 @@ fn is_plain(text: &str, events: &[Event<'_>]) -> bool {
     pos == text.len()
 }
 
+/// `text` with the first mention of each of `pills`' names (as a whole word, outside code)
+/// made a Markdown link to its user (`https://matrix.to/#/@user`): the pill a client shows.
+/// The plain body keeps the name as written.
+pub fn with_pills(text: &str, pills: &[(String, String)]) -> String {
+    let mut out = text.to_owned();
+    for (user, name) in pills {
+        let Some(at) = word_at(&out, name) else {
+            continue;
+        };
+        let written = &out[at..at + name.len()];
+        let mut label = String::new();
+        for c in written.chars() {
+            if matches!(c, '[' | ']' | '\\' | '*' | '_' | '`') {
+                label.push('\\');
+            }
+            label.push(c);
+        }
+        let link = format!("[{label}](https://matrix.to/#/{})", url_part(user));
+        out.replace_range(at..at + name.len(), &link);
+    }
+    out
+}
+
+/// Where `needle` first occurs in `hay` as a whole word (case-insensitive, ASCII case only so
+/// byte positions hold), outside a code span.
+fn word_at(hay: &str, needle: &str) -> Option<usize> {
+    if needle.is_empty() {
+        return None;
+    }
+    let lower = hay.to_ascii_lowercase();
+    let want = needle.to_ascii_lowercase();
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    lower.match_indices(&want).map(|(i, _)| i).find(|&i| {
+        !word(hay[..i].chars().next_back())
+            && !word(hay[i + needle.len()..].chars().next())
+            && hay[..i].matches('`').count().is_multiple_of(2)
+            && !hay[..i].ends_with("](")
+    })
+}
+
+/// A user id as a URL fragment: its characters that need it percent-encoded.
+fn url_part(user: &str) -> String {
+    let mut out = String::new();
+    for b in user.bytes() {
+        if b.is_ascii_alphanumeric() || b"@:._=-/+".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 fn is_block(tag: &Tag<'_>) -> bool {
     matches!(
         tag,
@@ -87,7 +140,29 @@ fn is_block(tag: &Tag<'_>) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::to_html;
+    use super::{to_html, with_pills};
+
+    #[test]
+    fn a_mentioned_name_becomes_a_pill_once_and_only_as_a_word() {
+        let ann = [("@ann:l".to_owned(), "Ann".to_owned())];
+        let text = with_pills("thanks ann, and Anne too; ann again", &ann);
+        assert_eq!(
+            text,
+            "thanks [ann](https://matrix.to/#/@ann:l), and Anne too; ann again"
+        );
+        assert_eq!(
+            to_html(&text).as_deref(),
+            Some("thanks <a href=\"https://matrix.to/#/@ann:l\">ann</a>, and Anne too; ann again")
+        );
+        // Not inside code, and names with Markdown in them stay text.
+        assert_eq!(with_pills("`ann` is here", &ann), "`ann` is here");
+        let odd = [("@x_y:l".to_owned(), "x_y".to_owned())];
+        assert_eq!(
+            with_pills("hi x_y", &odd),
+            "hi [x\\_y](https://matrix.to/#/@x_y:l)"
+        );
+        assert_eq!(with_pills("no one here", &ann), "no one here");
+    }
 
     /// Each text's HTML, or `None` for text sent plain.
     fn renders(cases: &[(&str, Option<&str>)]) {

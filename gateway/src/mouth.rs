@@ -161,6 +161,18 @@ pub fn txn_id(persona: &str, request_id: &str) -> String {
 /// 64 KiB, and an encrypted one carries its content as base64 (4/3 of it) in a JSON wrapper.
 pub const MAX_FORMATTED_BYTES: usize = 40 * 1024;
 
+/// How a say of hers is shaped beyond its text: whom it mentions, the names to show as pills,
+/// the line of hers it corrects.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Shape<'a> {
+    /// `m.mentions`' users; `None` leaves `m.mentions` out, as a CultNet client's send asks.
+    pub mentions: Option<&'a [String]>,
+    /// Names as written in the text and the users they are, linked as pills in the HTML.
+    pub pills: &'a [(String, String)],
+    /// Her own event this send edits (`m.replace`, with the new content in `m.new_content`).
+    pub replaces: Option<&'a str>,
+}
+
 /// The `m.room.message` content for a send: text (with its Markdown rendered as HTML when it
 /// has any), in a thread and/or replying, and with `mentions` the users it mentions
 /// (`m.mentions`: clients then ping exactly these, instead of guessing from the text by the
@@ -171,14 +183,51 @@ pub fn content(
     reply_to: Option<&str>,
     mentions: Option<&[String]>,
 ) -> Value {
+    shaped(
+        text,
+        thread_root,
+        reply_to,
+        &Shape {
+            mentions,
+            ..Shape::default()
+        },
+    )
+}
+
+/// [`content`] with pills for the names it mentions, or as an edit of her own event.
+pub fn shaped(
+    text: &str,
+    thread_root: Option<&str>,
+    reply_to: Option<&str>,
+    shape: &Shape<'_>,
+) -> Value {
     let mut c = json!({"msgtype": "m.text", "body": text});
     // Her replies are written in Markdown: clients show `formatted_body` (and sanitize it),
     // the plain `body` stays the source. Left out when the two would not fit an event.
-    if let Some(html) = crate::markdown::to_html(text) {
+    let linked = crate::markdown::with_pills(text, shape.pills);
+    if let Some(html) = crate::markdown::to_html(&linked) {
         if text.len() + html.len() <= MAX_FORMATTED_BYTES {
             c["format"] = json!("org.matrix.custom.html");
             c["formatted_body"] = json!(html);
         }
+    }
+    if let Some(users) = shape.mentions {
+        c["m.mentions"] = if users.is_empty() {
+            json!({})
+        } else {
+            json!({ "user_ids": users })
+        };
+    }
+    if let Some(original) = shape.replaces {
+        // An edit: clients show `m.new_content`; the outer body is the fallback (`* text`).
+        let mut outer = c.clone();
+        outer["body"] = json!(format!("* {text}"));
+        if let Some(html) = c["formatted_body"].as_str() {
+            outer["formatted_body"] = json!(format!("* {html}"));
+        }
+        outer["m.new_content"] = c;
+        outer["m.relates_to"] = json!({"rel_type": "m.replace", "event_id": original});
+        return outer;
     }
     match (thread_root, reply_to) {
         (Some(root), reply) => {
@@ -194,14 +243,16 @@ pub fn content(
         }
         (None, None) => {}
     }
-    if let Some(users) = mentions {
-        c["m.mentions"] = if users.is_empty() {
-            json!({})
-        } else {
-            json!({ "user_ids": users })
-        };
-    }
     c
+}
+
+/// What a send puts in the room.
+#[derive(Debug, Clone, Copy)]
+enum Outgoing<'a> {
+    /// An `m.room.message` of the request's text.
+    Message(&'a Shape<'a>),
+    /// An `m.reaction`: the request's text is its key, `reply_to` the event it annotates.
+    Reaction,
 }
 
 /// How often [`Mouth::typing_while`] asks for her typing notice to be renewed.
@@ -321,8 +372,20 @@ impl Mouth {
         req: &SendRequest,
         mentions: Option<&[String]>,
     ) -> SendReceipt {
+        self.send_shaped(
+            req,
+            &Shape {
+                mentions,
+                ..Shape::default()
+            },
+        )
+        .await
+    }
+
+    /// [`Mouth::send`] shaped by her reply (see [`Shape`]).
+    pub async fn send_shaped(&self, req: &SendRequest, shape: &Shape<'_>) -> SendReceipt {
         let started = std::time::Instant::now();
-        let receipt = self.send_inner(req, mentions).await;
+        let receipt = self.send_inner(req, Outgoing::Message(shape)).await;
         self.metrics.send(
             &self.persona,
             receipt.status,
@@ -331,8 +394,21 @@ impl Mouth {
         receipt
     }
 
-    async fn send_inner(&self, req: &SendRequest, mentions: Option<&[String]>) -> SendReceipt {
-        match self.try_send(req, mentions).await {
+    /// Adds her reaction `key` to `event` in `room`, at most once per `request_id`.
+    pub async fn react(&self, request_id: &str, room: &str, event: &str, key: &str) -> SendReceipt {
+        let req = SendRequest {
+            request_id: request_id.to_owned(),
+            persona: self.persona.clone(),
+            room: room.to_owned(),
+            text: key.to_owned(),
+            thread_root: None,
+            reply_to: Some(event.to_owned()),
+        };
+        self.send_inner(&req, Outgoing::Reaction).await
+    }
+
+    async fn send_inner(&self, req: &SendRequest, out: Outgoing<'_>) -> SendReceipt {
+        match self.try_send_as(req, out).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(persona = %self.persona, request = %req.request_id, error = %e, "send failed");
@@ -355,6 +431,21 @@ impl Mouth {
         &self,
         req: &SendRequest,
         mentions: Option<&[String]>,
+    ) -> Result<SendReceipt, MouthError> {
+        self.try_send_as(
+            req,
+            Outgoing::Message(&Shape {
+                mentions,
+                ..Shape::default()
+            }),
+        )
+        .await
+    }
+
+    async fn try_send_as(
+        &self,
+        req: &SendRequest,
+        out: Outgoing<'_>,
     ) -> Result<SendReceipt, MouthError> {
         let store = |e: crate::inbox::InboxError| MouthError::Store(e.to_string());
         let digest = content_digest(req);
@@ -395,18 +486,31 @@ impl Mouth {
         }
         let room = self.joined_room(&req.room).await?;
         let txn = OwnedTransactionId::from(txn_id(&self.persona, &req.request_id));
-        let body = content(
-            &req.text,
-            req.thread_root.as_deref(),
-            req.reply_to.as_deref(),
-            mentions,
-        );
+        let (event_type, body) = match out {
+            Outgoing::Message(shape) => (
+                "m.room.message",
+                shaped(
+                    &req.text,
+                    req.thread_root.as_deref(),
+                    req.reply_to.as_deref(),
+                    shape,
+                ),
+            ),
+            Outgoing::Reaction => (
+                "m.reaction",
+                json!({"m.relates_to": {
+                    "rel_type": "m.annotation",
+                    "event_id": req.reply_to.as_deref().unwrap_or_default(),
+                    "key": req.text,
+                }}),
+            ),
+        };
         let mut backoff = Backoff::new(self.retry_floor, Duration::from_secs(8));
         let mut attempt = 0;
         let event_id = loop {
             attempt += 1;
             match room
-                .send_raw("m.room.message", &body)
+                .send_raw(event_type, &body)
                 .with_transaction_id(&txn)
                 .await
             {

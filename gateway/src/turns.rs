@@ -55,7 +55,7 @@ use crate::ear::Signals;
 use crate::inbox::{Inbox, InboxError, TurnCommit};
 use crate::matrix::Backoff;
 use crate::metrics::Metrics;
-use crate::mouth::Mouth;
+use crate::mouth::{Mouth, Shape};
 use crate::processes::{LiveSlot, Processes};
 
 /// CLI runs per text in one turn (a process that dies, a resume that fails, is retried).
@@ -1855,19 +1855,36 @@ impl TurnLoop {
                 let mut refused: Vec<(&str, &str, String)> = Vec::new();
                 for (i, say) in reply.say.iter().enumerate() {
                     let request_id = format!("{turn_id}:{i}");
-                    let mentions = render::mentioned(say, batch, &self.persona.user_id);
+                    let me = self.persona.user_id.as_str();
+                    let targets = match render::targets(say, batch, lines, me) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            tracing::warn!(request = %request_id, error = %e, "say refused; not sent");
+                            refused.push((&say.room, &say.text, e.to_string()));
+                            continue;
+                        }
+                    };
+                    if !targets.unresolved.is_empty() {
+                        tracing::warn!(request = %request_id, handles = ?targets.unresolved, "say sent without the lines it named: she never saw them");
+                    }
+                    let mentions = render::mentioned(say, batch, me);
+                    let pills = render::pills(say, batch, me);
                     let receipt = self
                         .mouth
-                        .send_mentioning(
+                        .send_shaped(
                             &SendRequest {
                                 request_id: request_id.clone(),
                                 persona: id.clone(),
                                 room: say.room.clone(),
                                 text: say.text.clone(),
-                                thread_root: render::say_thread(say, batch).map(str::to_owned),
-                                reply_to: say.reply_to.clone(),
+                                thread_root: targets.thread_root.clone(),
+                                reply_to: targets.reply_to.clone(),
                             },
-                            Some(&mentions),
+                            &Shape {
+                                mentions: Some(&mentions),
+                                pills: &pills,
+                                replaces: targets.replaces.as_deref(),
+                            },
                         )
                         .await;
                     match receipt.status {
@@ -1889,6 +1906,32 @@ impl TurnLoop {
                         Status::Rejected => {
                             tracing::warn!(request = %request_id, error = ?receipt.error, "say refused; not retried");
                             refused.push((&say.room, &say.text, receipt.error.unwrap_or_default()));
+                        }
+                    }
+                }
+                // Her reactions, each once (request id `TURN:react:i`); one that names no
+                // line she saw, or that the homeserver refuses, is logged and left.
+                for (i, r) in reply.react.iter().enumerate() {
+                    let request_id = format!("{turn_id}:react:{i}");
+                    let Some(line) = session::handle::resolve(&r.to, batch, lines) else {
+                        tracing::warn!(request = %request_id, to = %r.to, "reaction to a line she never saw; not sent");
+                        continue;
+                    };
+                    let receipt = self
+                        .mouth
+                        .react(&request_id, line.room_id, line.event_id, &r.key)
+                        .await;
+                    match receipt.status {
+                        Status::Ok | Status::Rejected => {
+                            if receipt.status == Status::Rejected {
+                                tracing::warn!(request = %request_id, error = ?receipt.error, "reaction refused");
+                            }
+                        }
+                        Status::Failed | Status::Unknown => {
+                            return Err(TurnError::Send {
+                                request_id,
+                                error: receipt.error.unwrap_or_default(),
+                            })
                         }
                     }
                 }

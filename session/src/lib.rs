@@ -7,6 +7,8 @@
 //!   reads at 0.1x of base input).
 //! - [`policy`]: the refresh decision, a pure `decide(telemetry, now, config)`: continue,
 //!   compact, start fresh, evict the idle process, or refresh the cache before it expires.
+//! - [`handle`]: the short handles her lines carry, which she cites to answer, correct or react
+//!   to one, and their resolution to events.
 //! - [`render`]: batch selection (one conversation at a time), the one-block user message with
 //!   its fixed header, context sent once, the reply schema and its validation, say request ids.
 //! - [`untrusted`]: the one rule for writing what comes from Matrix into her prompt as data:
@@ -31,6 +33,7 @@ pub mod attempt;
 pub mod budget;
 pub mod cost;
 pub mod driver;
+pub mod handle;
 pub mod policy;
 pub mod proto;
 pub mod render;

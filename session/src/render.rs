@@ -13,6 +13,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 use wire::docs::{ContextLine, Delivery, DeliveryKind};
 
+use crate::handle;
 use crate::untrusted::{self, MAX_NAME_CHARS};
 
 /// Event ids the live session has already been shown, at most this many (oldest forgotten).
@@ -177,8 +178,27 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
             let _ = writeln!(out, "{}", note_line(n));
         }
     }
+    // An edit of a line in this same batch is not a line of its own: the line shows its
+    // newest text, marked edited (she answers it once).
+    let mut newest: std::collections::HashMap<&str, &Delivery> = std::collections::HashMap::new();
+    let mut merged: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for d in batch {
+        if let Some(target) = d.edit_of.as_deref() {
+            if batch
+                .iter()
+                .any(|o| o.event_id == target && o.edit_of.is_none())
+            {
+                newest.insert(target, d);
+                merged.insert(&d.event_id);
+            }
+        }
+    }
     let mut room: Option<&str> = None;
     for d in batch {
+        if merged.contains(d.event_id.as_str()) {
+            seen.insert(&d.event_id);
+            continue;
+        }
         if room != Some(d.room_id.as_str()) {
             room = Some(d.room_id.as_str());
             let kind = if d.is_direct {
@@ -208,19 +228,26 @@ pub fn render(batch: &[Delivery], seen: &mut Seen, notes: &[Note]) -> String {
             }
         }
         let sender = untrusted::id(&d.sender);
+        let handle = handle::of(&d.event_id);
         let _ = match &d.sender_name {
             Some(n) => write!(
                 out,
-                "[{}] {} ({sender})",
+                "[{} {handle}] {} ({sender})",
                 d.seq,
                 untrusted::name(n, MAX_NAME_CHARS)
             ),
-            None => write!(out, "[{}] {sender}", d.seq),
+            None => write!(out, "[{} {handle}] {sender}", d.seq),
         };
-        for flag in flags(d) {
+        let edit = newest.get(d.event_id.as_str());
+        let to_you = d.to_you || edit.is_some_and(|e| e.to_you);
+        for flag in flags(d, batch, to_you) {
             let _ = write!(out, " [{flag}]");
         }
-        let _ = writeln!(out, ": {}", indent(&d.text));
+        if edit.is_some() {
+            let _ = write!(out, " [edited]");
+        }
+        let text = edit.map_or(d.text.as_str(), |e| e.text.as_str());
+        let _ = writeln!(out, ": {}", indent(text));
         seen.insert(&d.event_id);
     }
     out
@@ -247,9 +274,12 @@ pub fn with_note(text: &str, note: &Note) -> String {
     }
 }
 
-fn flags(d: &Delivery) -> Vec<String> {
+/// Characters of a replied-to line quoted in the reply's flag.
+const QUOTE_CHARS: usize = 80;
+
+fn flags(d: &Delivery, batch: &[Delivery], to_you: bool) -> Vec<String> {
     let mut f = Vec::new();
-    if d.to_you {
+    if to_you {
         f.push("to you".to_owned());
     }
     match d.kind {
@@ -259,15 +289,36 @@ fn flags(d: &Delivery) -> Vec<String> {
         _ => {}
     }
     // Relation targets come from event content (an encrypted room's homeserver never sees
-    // them): shown only when they read as event ids.
-    fn target(id: &Option<String>) -> Option<&str> {
-        id.as_deref().and_then(untrusted::event_id)
+    // them): shown, as the handles of the lines they name, only when they read as event ids.
+    fn target(id: &Option<String>) -> Option<String> {
+        id.as_deref().and_then(untrusted::event_id).map(handle::of)
     }
     if let Some(t) = target(&d.thread_root) {
         f.push(format!("thread {t}"));
     }
     if let Some(r) = target(&d.reply_to) {
-        f.push(format!("reply to {r}"));
+        // The line it answers, quoted short, even when she saw it before: she cannot tell
+        // what is answered otherwise.
+        let id = d.reply_to.as_deref().unwrap_or_default();
+        let quoted = d
+            .context
+            .iter()
+            .find(|c| c.event_id == id)
+            .map(|c| (c.sender.as_str(), c.sender_name.as_deref(), c.text.as_str()))
+            .or_else(|| {
+                batch
+                    .iter()
+                    .find(|o| o.event_id == id)
+                    .map(|o| (o.sender.as_str(), o.sender_name.as_deref(), o.text.as_str()))
+            });
+        match quoted {
+            Some((sender, name, text)) => f.push(format!(
+                "reply to {r} {}: \"{}\"",
+                speaker(sender, name),
+                untrusted::field(text, QUOTE_CHARS)
+            )),
+            None => f.push(format!("reply to {r}")),
+        }
     }
     if let Some(e) = target(&d.edit_of) {
         f.push(format!("edit of {e}"));
@@ -297,10 +348,12 @@ fn speaker(sender: &str, name: Option<&str>) -> String {
     }
 }
 
-/// A context line as a batch shows it: `  who: text`, its further lines indented deeper.
+/// A context line as a batch shows it: `  ^handle who: text`, its further lines indented
+/// deeper.
 fn context_line(c: &ContextLine) -> String {
     format!(
-        "  {}: {}\n",
+        "  {} {}: {}\n",
+        handle::of(&c.event_id),
         speaker(&c.sender, c.sender_name.as_deref()),
         indent(&c.text)
     )
@@ -330,6 +383,65 @@ pub fn say_thread<'a>(say: &'a Say, batch: &'a [Delivery]) -> Option<&'a str> {
         Some(root) => Some(root),
         None => answered_thread(batch, &say.room),
     }
+}
+
+/// The events a say of hers names, resolved from the handles she wrote (see [`handle`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Targets {
+    /// The thread it goes in.
+    pub thread_root: Option<String>,
+    /// The line it answers; `None` too when her handle named no line she saw (the say is
+    /// sent all the same, and `unresolved` says so).
+    pub reply_to: Option<String>,
+    /// Her own line it corrects.
+    pub replaces: Option<String>,
+    /// Handles that named no line she saw (left out).
+    pub unresolved: Vec<String>,
+}
+
+/// Why a say cannot be sent as she wrote it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TargetError {
+    /// `replaces` names no line she saw.
+    #[error("{0} names no line you saw, so there is nothing to correct")]
+    NothingToCorrect(String),
+    /// `replaces` names someone else's line.
+    #[error("{0} is not a line of yours: you can only correct your own")]
+    NotHers(String),
+}
+
+/// Resolves a say's `threadRoot`, `replyTo` and `replaces` among the lines she could have
+/// seen: `batch` and her rooms' stored `timelines`. `me` is her user id.
+pub fn targets(
+    say: &Say,
+    batch: &[Delivery],
+    timelines: &[(String, Vec<ContextLine>)],
+    me: &str,
+) -> Result<Targets, TargetError> {
+    let mut out = Targets::default();
+    let event = |named: &str, out: &mut Targets| -> Option<String> {
+        if let Some(c) = handle::resolve(named, batch, timelines) {
+            return Some(c.event_id.to_owned());
+        }
+        if handle::is_handle(named) {
+            out.unresolved.push(named.to_owned());
+            return None;
+        }
+        untrusted::event_id(named).map(str::to_owned)
+    };
+    if let Some(h) = &say.replaces {
+        let cited = handle::resolve(h, batch, timelines)
+            .ok_or_else(|| TargetError::NothingToCorrect(h.clone()))?;
+        if cited.sender != me {
+            return Err(TargetError::NotHers(h.clone()));
+        }
+        out.replaces = Some(cited.event_id.to_owned());
+        return Ok(out);
+    }
+    out.thread_root = say_thread(say, batch).and_then(|r| event(r, &mut out));
+    out.reply_to = say.reply_to.as_deref().and_then(|r| event(r, &mut out));
+    Ok(out)
 }
 
 /// Whether `needle` occurs in `hay` as a whole word (case-insensitive): how a name is found in
@@ -372,7 +484,10 @@ pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
         }
     };
     if let Some(target) = &say.reply_to {
-        if let Some((_, sender, _)) = people.clone().find(|(id, _, _)| id == target) {
+        if let Some((_, sender, _)) = people
+            .clone()
+            .find(|(id, _, _)| id == target || handle::of(id) == *target)
+        {
             add(sender);
         }
     }
@@ -383,6 +498,34 @@ pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// The names a say of hers writes for the users it mentions ([`mentioned`]), each with its
+/// user: what a client shows as a pill. A user named by id is pilled by id.
+pub fn pills(say: &Say, batch: &[Delivery], me: &str) -> Vec<(String, String)> {
+    let names: Vec<(&str, Option<&str>)> = batch
+        .iter()
+        .flat_map(|d| {
+            std::iter::once((d.sender.as_str(), d.sender_name.as_deref())).chain(
+                d.context
+                    .iter()
+                    .map(|c| (c.sender.as_str(), c.sender_name.as_deref())),
+            )
+        })
+        .collect();
+    mentioned(say, batch, me)
+        .into_iter()
+        .filter_map(|user| {
+            let name = names
+                .iter()
+                .filter(|(u, _)| *u == user)
+                .find_map(|(_, n)| n.filter(|n| n.chars().count() >= 2 && has_word(&say.text, n)));
+            if say.text.contains(&user) {
+                return Some((user.clone(), user));
+            }
+            name.map(|n| (user.clone(), n.to_owned()))
+        })
+        .collect()
 }
 
 /// One message the Persona wants to say.
@@ -396,9 +539,21 @@ pub struct Say {
     /// Thread root to answer in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thread_root: Option<String>,
-    /// Event to reply to.
+    /// The line it answers: a handle (`^xxxxxx`), or an event id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply_to: Option<String>,
+    /// A line of her own this say corrects (a handle): sent as an edit of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
+}
+
+/// A reaction she adds to a line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct React {
+    /// The line's handle.
+    pub to: String,
+    /// The reaction (an emoji, or a short text).
+    pub key: String,
 }
 
 /// The structured reply of a turn (`--json-schema`, read from `structured_output`).
@@ -407,6 +562,9 @@ pub struct Reply {
     /// What to say; empty when she stays silent.
     #[serde(default)]
     pub say: Vec<Say>,
+    /// Reactions to add to lines (acknowledging without words).
+    #[serde(default)]
+    pub react: Vec<React>,
     /// Her extension fields (every top-level field besides `say`), in name order.
     #[serde(skip)]
     pub extensions: Vec<(String, serde_json::Value)>,
@@ -440,8 +598,22 @@ fn base_schema() -> serde_json::Value {
                             "maxLength": MAX_SAY_CHARS,
                             "description": format!("at most {MAX_SAY_CHARS} characters: split a longer message into several says")
                         },
-                        "threadRoot": {"type": "string", "description": "a thread's root event id; by default a say answers in the thread of the newest line addressed to you in that room; \"main\" for the room's main timeline"},
-                        "replyTo": {"type": "string"}
+                        "threadRoot": {"type": "string", "description": "a thread's root, by its handle (^xxxxxx); by default a say answers in the thread of the newest line addressed to you in that room; \"main\" for the room's main timeline"},
+                        "replyTo": {"type": "string", "description": "the handle (^xxxxxx) of the line this say answers"},
+                        "replaces": {"type": "string", "description": "the handle (^xxxxxx) of a line of yours this say corrects: it is sent as an edit of that line"}
+                    }
+                }
+            },
+            "react": {
+                "type": "array",
+                "description": "Reactions to add, e.g. to acknowledge a line without words.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": false,
+                    "required": ["to", "key"],
+                    "properties": {
+                        "to": {"type": "string", "description": "the handle (^xxxxxx) of the line"},
+                        "key": {"type": "string", "minLength": 1, "maxLength": 64, "description": "an emoji (or a short text)"}
                     }
                 }
             }
@@ -461,8 +633,8 @@ pub enum SchemaError {
     /// Not `{"properties": {...}, "required": [...]?}`.
     #[error("the extension schema must be an object with a \"properties\" object (and optionally \"required\"): {0}")]
     Shape(String),
-    /// It names `say`, which is the gateway's.
-    #[error("the extension schema may not define \"say\" (the gateway's own field)")]
+    /// It names `say` or `react`, which are the gateway's.
+    #[error("the extension schema may not define \"say\" or \"react\" (the gateway's own fields)")]
     Say,
     /// The merged schema is not a valid JSON Schema.
     #[error("the reply schema is not a valid JSON Schema: {0}")]
@@ -504,7 +676,7 @@ impl ReplySchema {
                 .get("properties")
                 .and_then(|p| p.as_object())
                 .ok_or_else(|| SchemaError::Shape("no \"properties\" object".into()))?;
-            if props.contains_key("say") {
+            if props.contains_key("say") || props.contains_key("react") {
                 return Err(SchemaError::Say);
             }
             for (k, v) in props {
@@ -565,7 +737,7 @@ impl ReplySchema {
                 .unwrap_or_default();
             // The error quotes the value, which may be a whole say of thousands of characters.
             let error = clip(&e.to_string(), ERROR_CHARS);
-            return Err(if field.is_empty() || field == "say" {
+            return Err(if field.is_empty() || field == "say" || field == "react" {
                 ReplyError::Malformed(format!("{at}: {error}"))
             } else {
                 ReplyError::Extension {
@@ -579,7 +751,7 @@ impl ReplySchema {
         if let Some(obj) = v.as_object() {
             reply.extensions = obj
                 .iter()
-                .filter(|(k, _)| k.as_str() != "say")
+                .filter(|(k, _)| !matches!(k.as_str(), "say" | "react"))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
         }
@@ -709,7 +881,12 @@ pub fn rehydration<R: AsRef<str>>(
             if seen.contains(&l.event_id) {
                 continue;
             }
-            let line = format!("{room} {}: {}\n", untrusted::id(&l.sender), indent(&l.text));
+            let line = format!(
+                "{room} {} {}: {}\n",
+                handle::of(&l.event_id),
+                untrusted::id(&l.sender),
+                indent(&l.text)
+            );
             if bytes + line.len() > max_bytes {
                 kept.push((room.into_owned(), taken));
                 break 'rooms;
@@ -995,7 +1172,79 @@ mod tests {
             "{forged}"
         );
         assert!(msg.contains("## direct message #ops:l (!dm)"));
-        assert!(msg.contains("[9] \"alice\" (@alice:localhost) [to you] [thread $root] [reply to $r] [edit of $old]: line one\n    line two"), "{msg}");
+        let h = crate::handle::of;
+        assert!(
+            msg.contains(&format!(
+                "[9 {}] \"alice\" (@alice:localhost) [to you] [thread {}] [reply to {}] [edit of {}]: line one\n    line two",
+                h("$e9"),
+                h("$root"),
+                h("$r"),
+                h("$old")
+            )),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_reply_quotes_the_line_it_answers_even_when_she_saw_it() {
+        let earlier = ContextLine {
+            event_id: "$q".into(),
+            sender: "@bob:l".into(),
+            sender_name: Some("Bob".into()),
+            ts: 1,
+            text: "what about\nthe deadline? ".repeat(10),
+        };
+        let mut reply = d(4, "!a", false, "agreed");
+        reply.reply_to = Some("$q".into());
+        reply.context = vec![earlier.clone()];
+        let mut seen = Seen::default();
+        seen.insert("$q");
+        let msg = render(&[reply.clone()], &mut seen, &[]);
+        let h = crate::handle::of("$q");
+        // Shown before: not a context line again, but quoted in the reply's flag, on one line
+        // and cut short.
+        assert!(!msg.contains("context:"), "{msg}");
+        let line = msg.lines().find(|l| l.starts_with("[4 ")).unwrap();
+        assert!(
+            line.contains(&format!("[reply to {h} \"Bob\": \"what about")),
+            "{line}"
+        );
+        assert!(line.contains('…') && line.ends_with(": agreed"), "{line}");
+        // A reply to a line nowhere in sight names its handle only.
+        reply.context.clear();
+        let msg = render(&[reply], &mut Seen::default(), &[]);
+        assert!(msg.contains(&format!("[reply to {h}]: agreed")), "{msg}");
+    }
+
+    #[test]
+    fn an_edit_of_a_waiting_line_shows_once_with_the_newest_text() {
+        let mut asked = d(5, "!a", false, "what is 2+2?");
+        asked.to_you = true;
+        let edit = |seq: u64, text: &str| {
+            let mut e = d(seq, "!a", false, text);
+            e.kind = DeliveryKind::Edit;
+            e.edit_of = Some("$e5".into());
+            e
+        };
+        let batch = [asked, edit(6, "what is 2+3?"), edit(7, "what is 3+3?")];
+        let mut seen = Seen::default();
+        let msg = render(&batch, &mut seen, &[]);
+        let lines: Vec<&str> = msg.lines().filter(|l| l.starts_with('[')).collect();
+        assert_eq!(lines.len(), 2, "{msg}");
+        assert!(
+            lines[1].ends_with("[to you] [edited]: what is 3+3?"),
+            "{msg}"
+        );
+        assert!(["$e5", "$e6", "$e7"].iter().all(|id| seen.contains(id)));
+        // An edit of a line she saw before names it by the handle she saw.
+        let msg = render(&[edit(8, "what is 4+4?")], &mut seen, &[]);
+        assert!(
+            msg.contains(&format!(
+                "[edit of {}]: what is 4+4?",
+                crate::handle::of("$e5")
+            )),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -1014,6 +1263,7 @@ mod tests {
             text: "yes".into(),
             thread_root: thread.map(str::to_owned),
             reply_to: None,
+            replaces: None,
         };
         // By id or alias: the thread of the newest line addressed to her there.
         assert_eq!(say_thread(&say("!a", None), &batch), Some("$root"));
@@ -1051,6 +1301,7 @@ mod tests {
             text: text.into(),
             thread_root: None,
             reply_to: reply.map(str::to_owned),
+            replaces: None,
         };
         assert_eq!(
             mentioned(&say("Bob, Ann Lee asks", None), &batch, "@vera:l"),
@@ -1061,9 +1312,100 @@ mod tests {
             mentioned(&say("e: sure", Some("$e2")), &batch, "@vera:l"),
             ["@eve:l"]
         );
+        // By the handle she saw too.
+        assert_eq!(
+            mentioned(
+                &say("sure", Some(&crate::handle::of("$e2"))),
+                &batch,
+                "@vera:l"
+            ),
+            ["@eve:l"]
+        );
         assert!(mentioned(&say("bobby and annlee", None), &batch, "@vera:l").is_empty());
         assert!(mentioned(&say("ask @bob:l", None), &batch, "@bob:l").is_empty());
+        // Pills: the names as she wrote them; one named by id is pilled by id; one she
+        // answers without naming has no pill.
+        assert_eq!(
+            pills(&say("Bob, Ann Lee asks", None), &batch, "@vera:l"),
+            [
+                ("@alice:localhost".to_owned(), "Ann Lee".to_owned()),
+                ("@bob:l".to_owned(), "bob".to_owned())
+            ]
+        );
+        assert_eq!(
+            pills(&say("ask @bob:l", Some("$e2")), &batch, "@vera:l"),
+            [("@bob:l".to_owned(), "@bob:l".to_owned())]
+        );
         assert!(has_word("Hi, Vera!", "vera") && !has_word("veranda", "vera"));
+    }
+
+    #[test]
+    fn a_says_handles_resolve_to_the_lines_she_saw() {
+        let mut ann = d(1, "!a", false, "vera?");
+        ann.thread_root = Some("$root".into());
+        ann.to_you = true;
+        ann.context = vec![ContextLine {
+            event_id: "$root".into(),
+            sender: "@bob:l".into(),
+            sender_name: None,
+            ts: 0,
+            text: "topic".into(),
+        }];
+        let timelines = vec![(
+            "!a".to_owned(),
+            vec![ContextLine {
+                event_id: "$mine".into(),
+                sender: "@vera:l".into(),
+                sender_name: None,
+                ts: 0,
+                text: "my typo".into(),
+            }],
+        )];
+        let batch = [ann];
+        let h = crate::handle::of;
+        let say = |reply: Option<String>, replaces: Option<String>| Say {
+            room: "!a".into(),
+            text: "x".into(),
+            thread_root: None,
+            reply_to: reply,
+            replaces,
+        };
+        let t = targets(&say(Some(h("$e1")), None), &batch, &timelines, "@vera:l").unwrap();
+        assert_eq!(t.reply_to.as_deref(), Some("$e1"));
+        assert_eq!(
+            t.thread_root.as_deref(),
+            Some("$root"),
+            "the asker's thread"
+        );
+        // A handle she never saw: sent without the reply, and said so.
+        let t = targets(
+            &say(Some("^zzzzzz".into()), None),
+            &batch,
+            &timelines,
+            "@vera:l",
+        )
+        .unwrap();
+        assert_eq!(
+            (t.reply_to, t.unresolved),
+            (None, vec!["^zzzzzz".to_owned()])
+        );
+        // A correction of her own line is an edit of it, nothing else.
+        let t = targets(&say(None, Some(h("$mine"))), &batch, &timelines, "@vera:l").unwrap();
+        assert_eq!(t.replaces.as_deref(), Some("$mine"));
+        assert_eq!(t.thread_root, None);
+        assert_eq!(
+            targets(&say(None, Some(h("$e1"))), &batch, &timelines, "@vera:l"),
+            Err(TargetError::NotHers(h("$e1")))
+        );
+        assert_eq!(
+            targets(
+                &say(None, Some("^zzzzzz".into())),
+                &batch,
+                &timelines,
+                "@vera:l"
+            ),
+            Err(TargetError::NothingToCorrect("^zzzzzz".into()))
+        );
     }
 
     #[test]
@@ -1258,7 +1600,14 @@ mod tests {
             ),
             "{r}"
         );
-        assert!(!r.contains("a1") && r.contains("!a @a:l: a2\n!a @a:l: a3\n!b @a:l: b1"));
+        let h = crate::handle::of;
+        let want = format!(
+            "!a {} @a:l: a2\n!a {} @a:l: a3\n!b {} @a:l: b1",
+            h("$a2"),
+            h("$a3"),
+            h("$b1")
+        );
+        assert!(!r.contains("a1") && r.contains(&want), "{r}");
         // What it showed is recorded as seen, what it left out is not.
         assert!(["$a2", "$a3", "$b1"].iter().all(|id| seen.contains(id)));
         assert!(!seen.contains("$a1"));
@@ -1267,10 +1616,12 @@ mod tests {
             rehydration::<&str>(&latest[..1], &[], 2, 10_000, &mut Seen::default()),
             "\n## your latest notes (before this session)\n[state] calm\n"
         );
-        // A byte cap keeps the newest lines of the first rooms ("!a @a:l: a3\n" is 12 bytes).
-        let capped = rehydration(&[], &rooms, 2, 24, &mut Seen::default());
-        assert!(capped.ends_with("!a @a:l: a2\n!a @a:l: a3\n"), "{capped}");
-        assert!(!rehydration(&[], &rooms, 2, 11, &mut Seen::default()).contains("!a"));
+        // A byte cap keeps the newest lines of the first rooms ("!a ^xxxxxx @a:l: a3\n" is
+        // 20 bytes).
+        let capped = rehydration(&[], &rooms, 2, 40, &mut Seen::default());
+        let want = format!("!a {} @a:l: a2\n!a {} @a:l: a3\n", h("$a2"), h("$a3"));
+        assert!(capped.ends_with(&want), "{capped}");
+        assert!(!rehydration(&[], &rooms, 2, 19, &mut Seen::default()).contains("!a"));
     }
 
     #[test]
@@ -1281,7 +1632,13 @@ mod tests {
         let mut seen = Seen::default();
         seen.insert("$a3");
         let r = rehydration(&[], &rooms, 2, 10_000, &mut seen);
-        assert_eq!(r, "\n## recent lines (before this session)\n!a @a:l: a2\n");
+        assert_eq!(
+            r,
+            format!(
+                "\n## recent lines (before this session)\n!a {} @a:l: a2\n",
+                crate::handle::of("$a2")
+            )
+        );
         // Everything shown already: no lines part at all, not an empty heading.
         seen.insert("$a2");
         assert_eq!(rehydration(&[], &rooms, 2, 10_000, &mut seen), "");
@@ -1297,15 +1654,16 @@ mod tests {
         for id in ["$a1", "$a2", "$a3", "$b1"] {
             held.insert(id);
         }
-        // Each line counts as rendered: "  @a:l: a2\n" is 11 bytes.
-        let each = "  @a:l: a2\n".len();
+        // Each line counts as rendered: "  ^xxxxxx @a:l: a2\n" is 19 bytes.
+        let each = "  ^xxxxxx @a:l: a2\n".len();
         // Nothing carried: the windows' held lines (a1 is outside !a's window of two; b2 was
         // never held, so it is shown whichever way).
         let none = Seen::default();
         assert_eq!(resent_bytes(&rooms, 2, 10_000, &held, &none), 3 * each);
-        // A rehydration of 24 bytes carries !a's two lines; only b1 is sent again.
+        // A rehydration of 40 bytes carries !a's two lines ("!a ^xxxxxx @a:l: a3\n" is 20
+        // bytes); only b1 is sent again.
         let mut carried = Seen::default();
-        let _ = rehydration(&[], &rooms, 2, 24, &mut carried);
+        let _ = rehydration(&[], &rooms, 2, 40, &mut carried);
         assert!(carried.contains("$a3") && !carried.contains("$b1"));
         assert_eq!(resent_bytes(&rooms, 2, 10_000, &held, &carried), each);
         // The ear's byte cap narrows each window: 6 bytes ("@a:l" and "a3") is one line, a3
@@ -1469,12 +1827,13 @@ mod structure {
                 own.push("context:".to_owned());
                 own.extend(d.context.iter().map(|_| "  ".to_owned()));
             }
-            own.push(format!("[{}] ", d.seq));
+            own.push(format!("[{} ^", d.seq));
         }
         own
     }
 
-    /// The lead the gateway writes before a delivery's text: `[seq] "name" (@id) [flags]: `,
+    /// The lead the gateway writes before a delivery's text: `[seq ^handle] "name" (@id)
+    /// [flags]: `,
     /// its parts made by [`untrusted`] (whose own properties are tested there).
     fn lead(d: &Delivery) -> String {
         let who = match &d.sender_name {
@@ -1492,17 +1851,22 @@ mod structure {
             ("edit of", &d.edit_of),
         ] {
             if let Some(id) = id.as_deref().and_then(untrusted::event_id) {
-                flags.push_str(&format!(" [{label} {id}]"));
+                flags.push_str(&format!(" [{label} {}]", crate::handle::of(id)));
             }
         }
-        format!("[{}] {who}{flags}: ", d.seq)
+        format!(
+            "[{} {}] {who}{flags}: ",
+            d.seq,
+            crate::handle::of(&d.event_id)
+        )
     }
 
-    /// The lead of a context line: `  "name": ` or `  @id: `.
+    /// The lead of a context line: `  ^handle "name": ` or `  ^handle @id: `.
     fn context_lead(c: &ContextLine) -> String {
+        let h = crate::handle::of(&c.event_id);
         match &c.sender_name {
-            Some(n) => format!("  {}: ", untrusted::name(n, MAX_NAME_CHARS)),
-            None => format!("  {}: ", untrusted::id(&c.sender)),
+            Some(n) => format!("  {h} {}: ", untrusted::name(n, MAX_NAME_CHARS)),
+            None => format!("  {h} {}: ", untrusted::id(&c.sender)),
         }
     }
 

@@ -164,6 +164,38 @@ impl Ear {
         }
     }
 
+    /// Puts the line each reply answers at the head of its context when it is not there (from
+    /// the stored timeline, or read with `/event`), so her batch can quote it even when she saw
+    /// it long ago. A read that fails leaves the reply without its quote, with a warning.
+    pub(super) async fn reply_targets<'d>(
+        &self,
+        deliveries: impl Iterator<Item = &'d mut wire::docs::Delivery>,
+    ) {
+        for d in deliveries {
+            let Some(target) = d.reply_to.clone() else {
+                continue;
+            };
+            if d.context.iter().any(|c| c.event_id == target) {
+                continue;
+            }
+            let stored = self
+                .timelines
+                .get(&d.room_id)
+                .and_then(|tl| tl.iter().find(|(_, l)| l.event_id == target))
+                .map(|(_, l)| l.clone());
+            let line = match stored {
+                Some(l) => Some(l),
+                None => self.fetch_line(&d.room_id, &target).await,
+            };
+            match line {
+                Some(l) => d.context.insert(0, l),
+                None => {
+                    tracing::warn!(persona = %self.persona.id, room = %d.room_id, event = %target, "the line a reply answers was not found; shown without it");
+                }
+            }
+        }
+    }
+
     /// A thread older than the stored timeline: its root (`/event`) and its latest replies
     /// (`/relations`, `m.thread`), oldest first. What fails to arrive is left out, with a
     /// warning; the delivery never fails for it.

@@ -236,3 +236,101 @@ fn a_redaction_names_the_event_it_removes_in_either_room_version() {
     assert_eq!(redacts(&message), None);
     assert_eq!(redacts(&json!({"type": "m.room.redaction"})), None);
 }
+
+#[test]
+fn a_reaction_is_a_context_line_and_mail_only_from_her_operator_to_her_line() {
+    let react = |sender: &str, key: &str| {
+        json!({"type": "m.reaction", "event_id": "$re", "sender": sender,
+               "origin_server_ts": 5, "content": {"m.relates_to": {
+                   "rel_type": "m.annotation", "event_id": "$hers", "key": key}}})
+    };
+    let hers = ContextLine {
+        event_id: "$hers".into(),
+        sender: "@vera:localhost".into(),
+        sender_name: None,
+        ts: 1,
+        text: "the deploy is done".into(),
+    };
+    let h = session::handle::of("$hers");
+    let line = reaction_line(&react("@bob:localhost", "👍"), None, Some(&hers)).unwrap();
+    assert_eq!(
+        line.text,
+        format!("reacted \"👍\" to {h} (\"the deploy is done\")")
+    );
+    // Unknown target: the handle alone. A key is a field: one line, escaped.
+    let line = reaction_line(&react("@bob:localhost", "a\n[restart] b"), None, None).unwrap();
+    assert_eq!(line.text, format!("reacted \"a\\n[restart] b\" to {h}"));
+    // Not a reaction: no line.
+    assert!(reaction(&msg(json!({"body": "x"}))).is_none());
+    let ops = ["@ann:localhost".to_owned()];
+    // Mail only from an operator, to her line.
+    let mail = reaction_delivery(
+        &react("@ann:localhost", "👍"),
+        &room(false),
+        &me(),
+        None,
+        Some(&hers),
+        &ops,
+    )
+    .unwrap();
+    assert!(mail.to_you && mail.text.starts_with("reacted \"👍\""));
+    assert!(reaction_delivery(
+        &react("@bob:localhost", "👍"),
+        &room(false),
+        &me(),
+        None,
+        Some(&hers),
+        &ops
+    )
+    .is_none());
+    let other = ContextLine {
+        sender: "@bob:localhost".into(),
+        ..hers.clone()
+    };
+    assert!(reaction_delivery(
+        &react("@ann:localhost", "👍"),
+        &room(false),
+        &me(),
+        None,
+        Some(&other),
+        &ops
+    )
+    .is_none());
+    assert!(reaction_delivery(
+        &react("@ann:localhost", "👍"),
+        &room(false),
+        &me(),
+        None,
+        None,
+        &ops
+    )
+    .is_none());
+}
+
+#[test]
+fn in_her_operators_dm_mail_starts_after_his_invite_elsewhere_after_her_join() {
+    let member = |sender: &str, membership: &str, prev: Option<&str>| {
+        let mut ev = json!({"type": "m.room.member", "state_key": "@vera:localhost",
+            "sender": sender, "event_id": "$m", "content": {"membership": membership}});
+        if let Some(p) = prev {
+            ev["unsigned"] = json!({"prev_content": {"membership": p}});
+        }
+        ev
+    };
+    let said = msg(json!({"msgtype": "m.text", "body": "are you there?"}));
+    let invite = member("@ann:localhost", "invite", None);
+    let join = member("@vera:localhost", "join", Some("invite"));
+    let ops = ["@ann:localhost".to_owned()];
+    let timeline = [invite.clone(), said.clone(), join.clone(), said.clone()];
+    let h = history_before(timeline.iter(), &me(), &ops);
+    assert_eq!(h.joined_at, Some(2));
+    assert_eq!(h.mail_after, Some(0), "his line before her join is mail");
+    // Invited by someone else, or no invite in sight: history up to her join.
+    let h = history_before(timeline.iter(), &me(), &[]);
+    assert_eq!(h.mail_after, Some(2));
+    let h = history_before([said.clone(), join.clone()].iter(), &me(), &ops);
+    assert_eq!(h.mail_after, Some(1));
+    // No join in the response: all of it may be mail.
+    let h = history_before([said].iter(), &me(), &ops);
+    assert_eq!(h, History::default());
+}
