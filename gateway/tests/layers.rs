@@ -13,6 +13,7 @@ const LAYERS: &[&str] = &[
     "metrics",
     "inbox",
     "matrix",
+    "identity",
     "ear",
     "mouth",
     "processes",
