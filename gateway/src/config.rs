@@ -76,6 +76,12 @@ pub struct Limits {
     /// How long an event that cannot be decrypted is held and retried before it is delivered
     /// with a placeholder text.
     pub undecryptable_wait_secs: u64,
+    /// The largest image (PNG, JPEG, GIF, WebP) given to her live session as an image; a
+    /// larger one reaches her as its description.
+    pub max_image_bytes: u64,
+    /// The largest text file (`text/*`) given to her as its text; a larger one reaches her as
+    /// its description.
+    pub max_text_file_bytes: u64,
 }
 
 impl Default for Limits {
@@ -87,6 +93,9 @@ impl Default for Limits {
             fetch_limit: 100,
             gap_fill_max: 1000,
             undecryptable_wait_secs: 600,
+            // The Messages API takes images up to 5 MB.
+            max_image_bytes: 5 * 1000 * 1000,
+            max_text_file_bytes: 64 * 1024,
         }
     }
 }

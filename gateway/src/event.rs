@@ -121,10 +121,11 @@ fn message_text(content: &Value) -> Option<(DeliveryKind, String)> {
         // (`session::untrusted`), so it cannot close its brackets early or run on.
         let file = str_at(shown, &["filename"]).unwrap_or(body);
         let name = session::untrusted::field(file, session::untrusted::MAX_FILE_NAME_CHARS);
+        let about = media_info(shown.get("info"));
         if file != body {
-            format!("[{msgtype} {name}] {body}")
+            format!("[{msgtype} {name}{about}] {body}")
         } else {
-            format!("[{msgtype}] {name}")
+            format!("[{msgtype}{about}] {name}")
         }
     } else if content.pointer("/m.relates_to/m.in_reply_to").is_some() {
         strip_reply_fallback(body).to_owned()
@@ -132,6 +133,43 @@ fn message_text(content: &Value) -> Option<(DeliveryKind, String)> {
         body.to_owned()
     };
     Some((kind, text))
+}
+
+/// A media event's `info` as she reads it: `, TYPE, SIZE` and for audio and video `, M:SS`
+/// (each part only when given); the type is a field (one line, escaped, capped).
+fn media_info(info: Option<&Value>) -> String {
+    let Some(info) = info else {
+        return String::new();
+    };
+    let mut out = String::new();
+    if let Some(t) = info.get("mimetype").and_then(Value::as_str) {
+        out.push_str(", ");
+        out.push_str(&session::untrusted::field(t, 64));
+    }
+    if let Some(size) = info.get("size").and_then(Value::as_u64) {
+        out.push_str(", ");
+        out.push_str(&human_size(size));
+    }
+    if let Some(ms) = info.get("duration").and_then(Value::as_u64) {
+        let secs = ms / 1000;
+        out.push_str(&format!(", {}:{:02}", secs / 60, secs % 60));
+    }
+    out
+}
+
+/// Bytes as people read them: `812 B`, `2.0 KB`, `50.0 MB` (powers of 1024).
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KB", "MB", "GB", "TB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
 }
 
 /// The context line an event contributes to its room's recent timeline (her own lines

@@ -9,7 +9,8 @@
 //! - [`inbox`]: the durable sled inbox (one batch per sync response, seqs, acks, receipts).
 //! - [`matrix`]: a Persona's matrix-sdk client, its store checks and the retry rules;
 //!   [`identity`]: her cross-signing, key backup and recovery key, and `recover`.
-//! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends.
+//! - [`ear`]: her sync loop; [`event`]: events -> deliveries (pure); [`mouth`]: her sends;
+//!   [`media`]: images and text files in her batches, fetched when her turn is composed.
 //! - [`turns`]: her live session's turn loop; [`processes`]: the gateway-wide cap on live
 //!   claude processes (the least recently used idle one makes room).
 //! - [`service`]: what CultNet clients ask of the gateway, and its answers; [`client`]: the
@@ -31,6 +32,7 @@ pub mod identity;
 pub mod inbox;
 pub mod markdown;
 pub mod matrix;
+pub mod media;
 pub mod metrics;
 pub mod mouth;
 pub mod processes;

@@ -366,6 +366,11 @@ impl Mouth {
         receipt
     }
 
+    /// Her Matrix client (to read what her batch refers to, such as its media).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// [`Mouth::send`] with `m.mentions` (see [`content`]): her own says name who they mention.
     pub async fn send_mentioning(
         &self,

@@ -1282,10 +1282,11 @@ impl TurnLoop {
     async fn run_text(
         &mut self,
         text: &str,
+        images: &[session::proto::Image],
         died: &mut Option<DriverError>,
     ) -> (Option<Turn>, Event) {
         let result = match self.ensure_cli().await {
-            Ok(cli) => cli.turn(text).await,
+            Ok(cli) => cli.turn_with(text, images).await,
             Err(e) => Err(e),
         };
         match result {
@@ -1404,7 +1405,7 @@ impl TurnLoop {
                 Action::Compacted { compacted } => return Ok(compacted),
                 Action::Run(t) => {
                     let sent = self.text_for(t, &[], &mut text);
-                    let (t, event) = self.run_text(&sent, &mut died).await;
+                    let (t, event) = self.run_text(&sent, &[], &mut died).await;
                     turn = t;
                     event
                 }
@@ -1640,6 +1641,9 @@ impl TurnLoop {
         let mut text = String::new();
         let mut turn = None;
         let mut died = None;
+        // The batch's images, sent with the text while it carries the batch.
+        let mut images: Vec<session::proto::Image> = Vec::new();
+        let mut carries_batch = false;
         let checkpoint_started = Instant::now();
         loop {
             tracing::debug!(?action, "turn action");
@@ -1684,7 +1688,17 @@ impl TurnLoop {
                 }
                 Action::Compose => {
                     seen_before.get_or_insert_with(|| self.seen.clone());
-                    text = self.compose(batch, &stored);
+                    // Her batch's images and text files, fetched (and decrypted) now.
+                    let media = crate::media::prepare(
+                        self.mouth.client(),
+                        &id,
+                        batch,
+                        &self.persona.limits,
+                    )
+                    .await;
+                    text = self.compose(&media.apply(batch), &stored);
+                    images = media.images;
+                    carries_batch = true;
                     Event::Done
                 }
                 Action::Unsee => {
@@ -1698,8 +1712,13 @@ impl TurnLoop {
                     if matches!(t, Text::Retry { .. }) {
                         seen_before.get_or_insert_with(|| self.seen.clone());
                     }
+                    // The batch's images go with its text, not with a note that replaces it.
+                    if matches!(t, Text::Retry { .. } | Text::Checkpoint) {
+                        carries_batch = false;
+                    }
                     let sent = self.text_for(t, batch, &mut text);
-                    let (t, event) = self.run_text(&sent, &mut died).await;
+                    let with: &[session::proto::Image] = if carries_batch { &images } else { &[] };
+                    let (t, event) = self.run_text(&sent, with, &mut died).await;
                     turn = t;
                     event
                 }

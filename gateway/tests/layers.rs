@@ -10,6 +10,7 @@ const LAYERS: &[&str] = &[
     "config",
     "markdown",
     "event",
+    "media",
     "metrics",
     "inbox",
     "matrix",

@@ -166,6 +166,25 @@ pub enum Compaction {
 
 /// The command line and environment every CLI run shares (see the module docs). An OAuth
 /// token is written into a pipe whose read end becomes the child's fd [`OAUTH_FD`].
+/// The CLI's temporary directory: `tmp` in her config directory.
+fn tmp_dir(cfg: &CliConfig) -> PathBuf {
+    cfg.config_dir.join("tmp")
+}
+
+/// Her private directories, made before a run (the CLI wants its temporary one 0700).
+fn make_dirs(cfg: &CliConfig) -> std::io::Result<()> {
+    std::fs::create_dir_all(&cfg.config_dir)?;
+    std::fs::create_dir_all(&cfg.work_dir)?;
+    let tmp = tmp_dir(cfg);
+    std::fs::create_dir_all(&tmp)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
 fn command(cfg: &CliConfig) -> Result<Command, DriverError> {
     command_with(cfg, Compaction::Policy)
 }
@@ -190,6 +209,9 @@ fn command_with(cfg: &CliConfig, compaction: Compaction) -> Result<Command, Driv
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", &cfg.config_dir)
         .env("CLAUDE_CONFIG_DIR", &cfg.config_dir)
+        // Its temporary files (the images of her batches, decrypted, among them) in her own
+        // private directory, not a shared /tmp/claude-UID.
+        .env("CLAUDE_CODE_TMPDIR", tmp_dir(cfg))
         .env("ANTHROPIC_BASE_URL", &cfg.api_base_url)
         .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
         .env("DISABLE_TELEMETRY", "1")
@@ -446,8 +468,7 @@ async fn run_once(
     if stdin.is_some() {
         cmd.stdin(Stdio::piped());
     }
-    std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
-    std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
+    make_dirs(cfg).map_err(spawn_err)?;
     let mut child = spawn(cmd).await.map_err(spawn_err)?;
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
         pipe.write_all(text.as_bytes()).await.map_err(spawn_err)?;
@@ -505,8 +526,7 @@ impl Cli {
             exe: cfg.exe.clone(),
             source,
         };
-        std::fs::create_dir_all(&cfg.config_dir).map_err(spawn_err)?;
-        std::fs::create_dir_all(&cfg.work_dir).map_err(spawn_err)?;
+        make_dirs(&cfg).map_err(spawn_err)?;
         let mut child = spawn(cmd).await.map_err(spawn_err)?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(DriverError::Exited("no stdio pipes".into()));
@@ -551,8 +571,22 @@ impl Cli {
 
     /// Sends one user message and waits for its result.
     pub async fn turn(&mut self, text: &str) -> Result<Turn, DriverError> {
+        self.turn_with(text, &[]).await
+    }
+
+    /// [`Cli::turn`] with images after the text (see [`proto::user_line_with`]).
+    pub async fn turn_with(
+        &mut self,
+        text: &str,
+        images: &[proto::Image],
+    ) -> Result<Turn, DriverError> {
         let written = Instant::now();
-        self.write(&proto::user_line(text)).await?;
+        let line = if images.is_empty() {
+            proto::user_line(text)
+        } else {
+            proto::user_line_with(text, images)
+        };
+        self.write(&line).await?;
         let timeout = self.cfg.turn_timeout;
         match tokio::time::timeout(timeout, self.until_result(written)).await {
             Ok(r) => r,

@@ -282,6 +282,47 @@ pub fn user_line(text: &str) -> String {
     format!("{v}\n")
 }
 
+/// An image given to her with a batch: its media type (`image/png`, `image/jpeg`,
+/// `image/gif`, `image/webp`) and its bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Image {
+    /// Its media type.
+    pub media_type: String,
+    /// Its bytes.
+    pub data: Vec<u8>,
+}
+
+impl std::fmt::Debug for Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Image")
+            .field("media_type", &self.media_type)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+/// [`user_line`] with `images` after the text block, as base64 image blocks: the text (the
+/// rendered batch, its fixed header first) stays the message's first block.
+pub fn user_line_with(text: &str, images: &[Image]) -> String {
+    use base64::Engine as _;
+    let mut content = vec![serde_json::json!({"type": "text", "text": text})];
+    for i in images {
+        content.push(serde_json::json!({
+            "type": "image",
+            "source": {
+                "type": "base64",
+                "media_type": i.media_type,
+                "data": base64::engine::general_purpose::STANDARD.encode(&i.data),
+            }
+        }));
+    }
+    let v = serde_json::json!({
+        "type": "user",
+        "message": {"role": "user", "content": content}
+    });
+    format!("{v}\n")
+}
+
 /// The stdin line of a control request (`initialize`, `interrupt`).
 pub fn control_line(request_id: &str, subtype: &str) -> String {
     let v = serde_json::json!({"type": "control_request", "request_id": request_id, "request": {"subtype": subtype}});
@@ -492,5 +533,20 @@ mod tests {
         );
         let c: Value = serde_json::from_str(&control_line("r1", "initialize")).unwrap();
         assert_eq!(c["request"]["subtype"], "initialize");
+        // Images follow the text, which stays first; their bytes as standard base64.
+        let png = Image {
+            media_type: "image/png".into(),
+            data: vec![0x89, b'P', b'N', b'G', 0, 255],
+        };
+        let l = user_line_with("[cultnet batch 1-1]", &[png]);
+        assert!(l.ends_with('\n') && !l[..l.len() - 1].contains('\n'));
+        let v: Value = serde_json::from_str(&l).unwrap();
+        let content = &v["message"]["content"];
+        assert_eq!(content[0]["text"], "[cultnet batch 1-1]");
+        assert_eq!(
+            content[1],
+            serde_json::json!({"type": "image", "source": {"type": "base64",
+                "media_type": "image/png", "data": "iVBORwD/"}})
+        );
     }
 }

@@ -129,6 +129,8 @@ pub struct LedgerEntry {
     pub auth: String,
     /// The model it asked for.
     pub model: String,
+    /// The images of the newest user message: media type and bytes.
+    pub images: Vec<(String, Vec<u8>)>,
 }
 
 impl LedgerEntry {
@@ -371,6 +373,7 @@ fn answer(
     let blocks = prompt_blocks(req);
     let total: u64 = blocks.iter().map(|b| b.tokens).sum();
     let last_user_text = last_user_text(req);
+    let images = last_user_images(req);
     let hashes: Vec<u64> = blocks.iter().map(|b| b.prefix_hash).collect();
     let mut delay = (!st.cfg.latency.is_zero()).then_some(st.cfg.latency);
     let mut fault = st.faults.pop_front();
@@ -410,6 +413,7 @@ fn answer(
             user_text,
             auth,
             model,
+            images,
         });
         return (delay, Answer::Error(status, kind, message));
     }
@@ -496,6 +500,7 @@ fn answer(
         user_text,
         auth,
         model,
+        images,
     });
     (delay, Answer::Stream(events))
 }
@@ -509,7 +514,8 @@ struct Block {
 }
 
 fn prompt_blocks(req: &Value) -> Vec<Block> {
-    let mut raw: Vec<(String, Option<Duration>)> = Vec::new();
+    // Each block's canonical text, cache marker, and tokens when not counted from its text.
+    let mut raw: Vec<(String, Option<Duration>, Option<u64>)> = Vec::new();
     let marker = |b: &Value| {
         b.get("cache_control").map(|cc| {
             if cc["ttl"] == "1h" {
@@ -527,17 +533,19 @@ fn prompt_blocks(req: &Value) -> Vec<Block> {
         b.to_string()
     };
     for t in req["tools"].as_array().into_iter().flatten() {
-        raw.push((format!("tool:{}", canon(t)), marker(t)));
+        raw.push((format!("tool:{}", canon(t)), marker(t), None));
     }
     // A string is the same prompt as one text block, in `system` and in message content alike.
     let mut content = |label: &str, v: &Value| match v {
         Value::String(s) => raw.push((
             format!("{label}:{}", canon(&json!({"type": "text", "text": s}))),
             None,
+            None,
         )),
-        Value::Array(a) => a
-            .iter()
-            .for_each(|b| raw.push((format!("{label}:{}", canon(b)), marker(b)))),
+        Value::Array(a) => a.iter().for_each(|b| {
+            let tokens = (b["type"] == "image").then(|| image_tokens(b));
+            raw.push((format!("{label}:{}", canon(b)), marker(b), tokens))
+        }),
         _ => {}
     };
     content("system", &req["system"]);
@@ -546,10 +554,10 @@ fn prompt_blocks(req: &Value) -> Vec<Block> {
     }
     let mut h = DefaultHasher::new();
     raw.into_iter()
-        .map(|(text, marker)| {
+        .map(|(text, marker, tokens)| {
             text.hash(&mut h);
             Block {
-                tokens: 3 + text.len() as u64 / 4,
+                tokens: tokens.unwrap_or(3 + text.len() as u64 / 4),
                 prefix_hash: h.finish(),
                 marker,
             }
@@ -676,6 +684,45 @@ fn texts(v: &Value) -> String {
             .join("\n"),
         _ => String::new(),
     }
+}
+
+/// The image blocks of the newest user message, decoded.
+fn last_user_images(req: &Value) -> Vec<(String, Vec<u8>)> {
+    use base64::Engine as _;
+    let Some(m) = req["messages"]
+        .as_array()
+        .and_then(|ms| ms.iter().rev().find(|m| m["role"] == "user"))
+    else {
+        return Vec::new();
+    };
+    m["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["type"] == "image" && b["source"]["type"] == "base64")
+        .filter_map(|b| {
+            let data = base64::engine::general_purpose::STANDARD
+                .decode(b["source"]["data"].as_str()?)
+                .ok()?;
+            Some((b["source"]["media_type"].as_str()?.to_owned(), data))
+        })
+        .collect()
+}
+
+/// What an image block costs, as the Messages API bills it: width x height / 750 tokens for a
+/// PNG whose size the header gives (after scaling to at most 1568 pixels a side), else the
+/// cost of a ~1.15 megapixel image (1,600).
+fn image_tokens(block: &Value) -> u64 {
+    use base64::Engine as _;
+    let png = block["source"]["data"]
+        .as_str()
+        .and_then(|d| base64::engine::general_purpose::STANDARD.decode(d).ok())
+        .filter(|b| b.len() >= 24 && b.starts_with(b"\x89PNG"));
+    let Some(b) = png else { return 1600 };
+    let w = f64::from(u32::from_be_bytes([b[16], b[17], b[18], b[19]]));
+    let h = f64::from(u32::from_be_bytes([b[20], b[21], b[22], b[23]]));
+    let scale = (1568.0 / w.max(h)).min(1.0);
+    ((w * scale) * (h * scale) / 750.0).ceil().max(1.0) as u64
 }
 
 fn last_user_text(req: &Value) -> String {

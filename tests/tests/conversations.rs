@@ -450,3 +450,122 @@ async fn an_operators_encrypted_dm_written_before_her_first_start_is_answered_on
     assert_eq!(turns, 1);
     assert!(gw.stop().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn media_in_an_encrypted_dm_reach_her_as_an_image_a_text_and_a_description() {
+    use matrix_sdk::attachment::AttachmentConfig;
+    let scene = Scene::new("conv-media", Limits::Relaxed).await;
+    let ann = &scene.ann;
+    let mock = MockApi::start(MockConfig::default()).await.unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let config = tests::matrix::write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        &session,
+    );
+    let gw = tests::matrix::GatewayProcess::start(&config);
+    let dm = tests::live::open_dm(ann, &gw).await;
+    let room = dm.room_id().to_string();
+    let say = |text: &str| json!({"say": [{"room": room, "text": text}]});
+    mock.script(say("hello ann"));
+    dm.send(RoomMessageEventContent::text_plain("hello vera"))
+        .await
+        .unwrap();
+    wait_for_reply(ann, &dm, "hello ann", Duration::from_secs(90)).await;
+    let for_turn = |answer: &str| {
+        mock.ledger()
+            .into_iter()
+            .rev()
+            .find(|e| e.status == 200)
+            .unwrap_or_else(|| panic!("no turn before {answer:?}"))
+    };
+
+    // An image, encrypted: the model's request carries its bytes as an image block.
+    let png = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../fixtures/media/gradient.png"
+    ))
+    .unwrap();
+    mock.script(say("a gradient"));
+    dm.send_attachment(
+        "gradient.png",
+        &"image/png".parse::<mime::Mime>().unwrap(),
+        png.clone(),
+        AttachmentConfig::new(),
+    )
+    .await
+    .unwrap();
+    wait_for_reply(ann, &dm, "a gradient", Duration::from_secs(90)).await;
+    let turn = for_turn("a gradient");
+    assert_eq!(
+        turn.images,
+        [("image/png".to_owned(), png.clone())],
+        "log:\n{}",
+        gw.log()
+    );
+    // The pinned CLI passes the block on as given and adds a text block after it naming where
+    // it stored the image: in her own private directory (CLAUDE_CODE_TMPDIR), not /tmp.
+    assert!(
+        turn.user_text.contains("gradient.png") && turn.user_text.contains("(image 1 attached)"),
+        "{}",
+        turn.user_text
+    );
+    let stored = turn
+        .last_user_text
+        .strip_prefix("[Image: source: ")
+        .and_then(|p| p.strip_suffix(']'))
+        .unwrap_or_else(|| panic!("{}", turn.last_user_text));
+    let tmp = scene.dir.join("state/personas/vera/claude/tmp");
+    assert!(std::path::Path::new(stored).starts_with(&tmp), "{stored}");
+    assert_eq!(std::fs::read(stored).unwrap(), png);
+
+    // A 2 KB text file: its text, under its line.
+    let notes: String = (0..100)
+        .map(|i| format!("line {i:04} of the notes\n"))
+        .collect();
+    assert!(notes.len() >= 2000);
+    mock.script(say("read it"));
+    dm.send_attachment(
+        "notes.txt",
+        &"text/plain".parse::<mime::Mime>().unwrap(),
+        notes.clone().into_bytes(),
+        AttachmentConfig::new(),
+    )
+    .await
+    .unwrap();
+    wait_for_reply(ann, &dm, "read it", Duration::from_secs(90)).await;
+    let turn = for_turn("read it");
+    assert!(turn.images.is_empty());
+    let batch = &turn.last_user_text;
+    assert!(
+        batch.contains(&format!("--- the file's text ({} bytes) ---", notes.len())),
+        "{batch}"
+    );
+    assert!(
+        batch.contains("    line 0042 of the notes\n"),
+        "indented as data: {batch}"
+    );
+
+    // A 50 MB file: its description only.
+    mock.script(say("too big to read"));
+    dm.send_raw(
+        "m.room.message",
+        json!({"msgtype": "m.file", "body": "dump.bin", "url": "mxc://localhost/none",
+               "info": {"mimetype": "application/octet-stream", "size": 52_428_800u64}}),
+    )
+    .await
+    .unwrap();
+    wait_for_reply(ann, &dm, "too big to read", Duration::from_secs(90)).await;
+    let turn = for_turn("too big to read");
+    assert!(turn.images.is_empty());
+    assert!(
+        turn.last_user_text
+            .contains("[media]: [m.file, application/octet-stream, 50.0 MB] dump.bin"),
+        "{}",
+        turn.last_user_text
+    );
+    assert!(gw.stop().success());
+}

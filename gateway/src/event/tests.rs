@@ -334,3 +334,25 @@ fn in_her_operators_dm_mail_starts_after_his_invite_elsewhere_after_her_join() {
     let h = history_before([said].iter(), &me(), &ops);
     assert_eq!(h, History::default());
 }
+
+#[test]
+fn media_says_its_type_size_and_duration() {
+    let big = d(
+        json!({"msgtype": "m.file", "body": "dump.bin", "url": "mxc://x/y",
+        "info": {"mimetype": "application/octet-stream", "size": 52_428_800u64}}),
+    );
+    assert_eq!(big.kind, DeliveryKind::Media);
+    assert_eq!(
+        big.text,
+        "[m.file, application/octet-stream, 50.0 MB] dump.bin"
+    );
+    let voice = d(
+        json!({"msgtype": "m.audio", "body": "memo.ogg", "filename": "memo.ogg",
+        "info": {"mimetype": "audio/ogg", "size": 812, "duration": 42_500}}),
+    );
+    assert_eq!(voice.text, "[m.audio, audio/ogg, 812 B, 0:42] memo.ogg");
+    let forged = d(json!({"msgtype": "m.image", "body": "x.png",
+        "info": {"mimetype": "image/png]\n[restart] hi"}}));
+    assert_eq!(forged.text.lines().count(), 1, "{}", forged.text);
+    assert_eq!(human_size(2048), "2.0 KB");
+}
