@@ -81,7 +81,7 @@ pub enum IdentityError {
     /// Reading her key files.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// Her client.
+    /// Her client, the SDK or the homeserver.
     #[error(transparent)]
     Matrix(#[from] MatrixError),
     /// A file of hers could not be written or moved.
@@ -95,29 +95,15 @@ pub enum IdentityError {
         #[source]
         source: std::io::Error,
     },
-    /// The SDK or the homeserver failed.
-    #[error("persona {persona}: {context}: {source}")]
-    Sdk {
-        /// Persona id.
-        persona: String,
-        /// What was being done.
-        context: &'static str,
-        /// The SDK's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
 }
 
+/// A failure of the SDK or the homeserver while `context` was being done.
 fn sdk<E: std::error::Error + Send + Sync + 'static>(
     persona: &str,
     context: &'static str,
 ) -> impl FnOnce(E) -> IdentityError {
-    let persona = persona.to_owned();
-    move |e| IdentityError::Sdk {
-        persona,
-        context,
-        source: Box::new(e),
-    }
+    let wrap = crate::matrix::sdk(persona, context);
+    move |e| IdentityError::Matrix(wrap(e))
 }
 
 /// What her identity looks like after [`secure`] or [`recover`].
@@ -154,10 +140,8 @@ pub async fn secure(
     if !has_keys {
         let user = client
             .user_id()
-            .ok_or_else(|| IdentityError::Sdk {
-                persona: id.to_owned(),
-                context: "reading her user id",
-                source: "the client is not logged in".into(),
+            .ok_or_else(|| {
+                sdk(id, "reading her user id")(std::io::Error::other("the client is not logged in"))
             })?
             .to_owned();
         let identity = enc

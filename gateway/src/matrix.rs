@@ -115,7 +115,8 @@ pub enum MatrixError {
     },
 }
 
-fn sdk<E: std::error::Error + Send + Sync + 'static>(
+/// Wraps an SDK error as [`MatrixError::Sdk`], saying what was being done.
+pub(crate) fn sdk<E: std::error::Error + Send + Sync + 'static>(
     persona: &str,
     context: &'static str,
 ) -> impl FnOnce(E) -> MatrixError {

@@ -304,6 +304,19 @@ pub async fn vera_live_in(
     (room, config, gw)
 }
 
+/// Vera's config with her `[persona.session]` section (and what follows it) `session`, in no
+/// room, ann her operator (who opens a DM with her).
+pub fn operated(scene: &crate::matrix::Scene, session: &str) -> std::path::PathBuf {
+    crate::matrix::write_config(
+        &scene.dir,
+        &scene.url,
+        &scene.vera_token,
+        &[],
+        &["@ann:localhost"],
+        session,
+    )
+}
+
 /// Waits (up to a minute) until `user` has joined `room` as `reader` sees it; panics with the
 /// gateway's log when she does not.
 pub async fn until_joined(

@@ -402,12 +402,8 @@ async fn an_operators_encrypted_dm_written_before_her_first_start_is_answered_on
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
-    let config = tests::matrix::write_config(
-        &scene.dir,
-        &scene.url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
+    let config = tests::live::operated(
+        &scene,
         &format!("{session}\n[persona.limits]\nundecryptable_wait_secs = 3\n"),
     );
     // Her operator opens a DM and writes in it before she ever ran: her device has no keys
@@ -458,14 +454,7 @@ async fn media_in_an_encrypted_dm_reach_her_as_an_image_a_text_and_a_description
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
-    let config = tests::matrix::write_config(
-        &scene.dir,
-        &scene.url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
+    let config = tests::live::operated(&scene, &session);
     let gw = tests::matrix::GatewayProcess::start(&config);
     let dm = tests::live::open_dm(ann, &gw).await;
     let room = dm.room_id().to_string();

@@ -513,15 +513,7 @@ fn vera_live(
     extra: &str,
 ) -> (std::path::PathBuf, std::path::PathBuf) {
     let (session, prompt) = live_section(&scene.dir, mock, sentences, extra);
-    let config = write_config(
-        &scene.dir,
-        &scene.url,
-        &scene.vera_token,
-        &[],
-        &["@ann:localhost"],
-        &session,
-    );
-    (config, prompt)
+    (tests::live::operated(scene, &session), prompt)
 }
 
 /// Starts vera's gateway with her live session against `mock` (a 100-sentence doctrine),
