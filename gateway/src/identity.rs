@@ -352,18 +352,15 @@ pub async fn recover(
     let client = crate::matrix::connect(persona, state_dir, token, None).await?;
     // Her new device's keys go up in a sync; no room is asked for: the ear reads them from
     // the inbox's position when the gateway starts.
-    let filter = matrix_sdk::ruma::api::client::filter::FilterDefinition::with_lazy_loading();
-    let mut filter = filter;
+    use matrix_sdk::ruma::api::client::filter::{Filter, FilterDefinition};
+    use matrix_sdk::ruma::api::client::sync::sync_events::v3::Filter as SyncFilter;
+    let mut filter = FilterDefinition::with_lazy_loading();
     filter.room.rooms = Some(Vec::new());
-    filter.presence = matrix_sdk::ruma::api::client::filter::Filter::ignore_all();
+    filter.presence = Filter::ignore_all();
     client
         .sync_once(
             matrix_sdk::config::SyncSettings::default()
-                .filter(
-                    matrix_sdk::ruma::api::client::sync::sync_events::v3::Filter::FilterDefinition(
-                        filter,
-                    ),
-                )
+                .filter(SyncFilter::FilterDefinition(filter))
                 .timeout(std::time::Duration::ZERO),
         )
         .await
