@@ -923,10 +923,7 @@ impl Persona {
         let who = Some(self.id.as_str());
         let path = match (&e.store_passphrase_file, &e.store_passphrase_credential) {
             (Some(f), _) => f.clone(),
-            (None, Some(name)) => {
-                let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| err(who, "encryption.store_passphrase_credential", "CREDENTIALS_DIRECTORY is not set: is the gateway running under systemd with LoadCredential=?"))?;
-                Path::new(&dir).join(name)
-            }
+            (None, Some(name)) => credential(who, "encryption.store_passphrase_credential", name)?,
             (None, None) => return Ok(None),
         };
         read_private(&path)
@@ -942,10 +939,7 @@ impl Persona {
                 check_private(f).map_err(|p| err(who, "access_token_file", p))?;
                 f.clone()
             }
-            (None, Some(name)) => {
-                let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| err(who, "access_token_credential", "CREDENTIALS_DIRECTORY is not set: is the gateway running under systemd with LoadCredential=?"))?;
-                Path::new(&dir).join(name)
-            }
+            (None, Some(name)) => credential(who, "access_token_credential", name)?,
             (None, None) => return Err(err(who, "access_token_file", "missing")),
         };
         let text = std::fs::read_to_string(&path).map_err(|e| {
@@ -1081,6 +1075,18 @@ pub fn read_private(path: &Path) -> Result<Secret, String> {
         return Err(format!("{} is empty", path.display()));
     }
     Ok(Secret(value.to_owned()))
+}
+
+/// The file of systemd credential `name` (`LoadCredential=`), for config key `key`.
+fn credential(who: Option<&str>, key: &str, name: &str) -> Result<PathBuf, ConfigError> {
+    let dir = std::env::var_os("CREDENTIALS_DIRECTORY").ok_or_else(|| {
+        err(
+            who,
+            key,
+            "CREDENTIALS_DIRECTORY is not set: is the gateway running under systemd with LoadCredential=?",
+        )
+    })?;
+    Ok(Path::new(&dir).join(name))
 }
 
 /// Bytes as lowercase hex digits (keys in the config, digests in ids and logs).

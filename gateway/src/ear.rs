@@ -94,6 +94,9 @@ pub enum EarError {
     Join(#[from] tokio::task::JoinError),
 }
 
+/// A held event's room key is looked up in her key backup at most this often.
+const BACKUP_LOOKUP_EVERY: Duration = Duration::from_secs(60);
+
 type Timeline = VecDeque<(Option<String>, wire::docs::ContextLine)>;
 
 /// One Persona's ear.
@@ -105,7 +108,7 @@ pub struct Ear {
     timelines: HashMap<String, Timeline>,
     /// Rooms whose history was read with `/messages` for context in this process.
     backfilled: std::collections::HashSet<String>,
-    /// Megolm sessions last looked up in her key backup, and when (at most once a minute).
+    /// Megolm sessions looked up in her key backup in the last [`BACKUP_LOOKUP_EVERY`].
     looked_up: HashMap<String, std::time::Instant>,
     signals: Arc<Signals>,
     stats: Arc<EarStats>,
@@ -445,18 +448,24 @@ impl Ear {
         room: &matrix_sdk::Room,
         event_id: &matrix_sdk::ruma::EventId,
     ) -> Option<Value> {
-        let ev = room.event(event_id, None).await.ok()?;
-        if !matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) {
-            return serde_json::from_str::<Value>(ev.raw().json().get()).ok();
+        /// The event's JSON when it decrypted, `Err` with its session id when it did not.
+        fn clear(
+            ev: &matrix_sdk::deserialized_responses::TimelineEvent,
+        ) -> Result<Value, Option<String>> {
+            let v: Value = serde_json::from_str(ev.raw().json().get()).map_err(|_| None)?;
+            if matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) {
+                return Err(v["content"]["session_id"].as_str().map(str::to_owned));
+            }
+            Ok(v)
         }
-        let raw: Value = serde_json::from_str(ev.raw().json().get()).ok()?;
-        let session = raw["content"]["session_id"].as_str()?.to_owned();
+        let session = match clear(&room.event(event_id, None).await.ok()?) {
+            Ok(v) => return Some(v),
+            Err(session) => session?,
+        };
         let now = std::time::Instant::now();
-        if self
-            .looked_up
-            .get(&session)
-            .is_some_and(|at| now.duration_since(*at) < Duration::from_secs(60))
-        {
+        let recent = |at: &std::time::Instant| now.duration_since(*at) < BACKUP_LOOKUP_EVERY;
+        self.looked_up.retain(|_, at| recent(at));
+        if self.looked_up.contains_key(&session) {
             return None;
         }
         self.looked_up.insert(session.clone(), now);
@@ -476,11 +485,7 @@ impl Ear {
                 return None;
             }
         }
-        let ev = room.event(event_id, None).await.ok()?;
-        if matches!(ev.kind, TimelineEventKind::UnableToDecrypt { .. }) {
-            return None;
-        }
-        serde_json::from_str::<Value>(ev.raw().json().get()).ok()
+        clear(&room.event(event_id, None).await.ok()?).ok()
     }
 
     /// Loads a room's stored timeline the first time the room is seen in this process.

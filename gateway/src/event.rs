@@ -246,25 +246,21 @@ pub fn reaction_delivery(
     line: Option<&ContextLine>,
     operators: &[String],
 ) -> Option<Delivery> {
-    let sender = str_at(ev, &["sender"])?;
     let line = line.filter(|l| l.sender == me.user_id)?;
-    if !operators.iter().any(|o| o == sender) {
+    let said = reaction_line(ev, sender_name, Some(line))?;
+    if !operators.contains(&said.sender) {
         return None;
     }
-    let (target, key) = reaction(ev)?;
     Some(Delivery {
         room_id: room.room_id.clone(),
         room_alias: room.alias.clone(),
         is_direct: room.is_direct,
-        event_id: str_at(ev, &["event_id"])?.to_owned(),
-        sender: sender.to_owned(),
-        sender_name,
-        ts: ev
-            .get("origin_server_ts")
-            .and_then(Value::as_i64)
-            .unwrap_or(0),
+        event_id: said.event_id,
+        sender: said.sender,
+        sender_name: said.sender_name,
+        ts: said.ts,
         kind: DeliveryKind::Text,
-        text: reaction_text(key, target, Some(line)),
+        text: said.text,
         to_you: true,
         ..Delivery::default()
     })

@@ -113,12 +113,8 @@ pub struct Standing {
     pub cross_signed: bool,
     /// Her room keys go to a server-side key backup.
     pub backup: bool,
-    /// Her recovery key's file, and whether it is there.
-    pub recovery_key: PathBuf,
-    /// The file exists.
+    /// Her recovery key's file exists.
     pub recovery_key_present: bool,
-    /// A new recovery key was written to it in this call.
-    pub recovery_key_written: bool,
 }
 
 /// Makes sure her device is cross-signed and her keys are backed up; see the module doc.
@@ -165,7 +161,6 @@ pub async fn secure(
         }
     }
     let recovery = enc.recovery();
-    let mut written = false;
     match recovery.state() {
         RecoveryState::Enabled => {}
         RecoveryState::Incomplete => match &key {
@@ -201,7 +196,6 @@ pub async fn secure(
                 path: path.clone(),
                 source: e,
             })?;
-            written = true;
             tracing::warn!(
                 persona = id,
                 file = %path.display(),
@@ -209,7 +203,7 @@ pub async fn secure(
             );
         }
     }
-    standing(client, persona, &path, written).await
+    standing(client, persona, &path).await
 }
 
 /// Signs this device from her secret storage and turns on her key backup.
@@ -251,12 +245,7 @@ async fn bootstrap(client: &Client, persona: &Persona) -> Result<(), IdentityErr
             persona: id.to_owned(),
         });
     };
-    let mut auth = uiaa::Password::new(
-        uiaa::UserIdentifier::Matrix(uiaa::MatrixUserIdentifier::new(persona.user_id.clone())),
-        password.expose().to_owned(),
-    );
-    auth.session = uiaa.session.clone();
-    enc.bootstrap_cross_signing(Some(uiaa::AuthData::Password(auth)))
+    enc.bootstrap_cross_signing(Some(password_auth(persona, &password, uiaa)))
         .await
         .map_err(sdk(
             id,
@@ -264,12 +253,21 @@ async fn bootstrap(client: &Client, persona: &Persona) -> Result<(), IdentityErr
         ))
 }
 
+/// The answer to the homeserver's user-interactive auth `uiaa`: her password.
+fn password_auth(persona: &Persona, password: &Secret, uiaa: &uiaa::UiaaInfo) -> uiaa::AuthData {
+    let mut auth = uiaa::Password::new(
+        uiaa::UserIdentifier::Matrix(uiaa::MatrixUserIdentifier::new(persona.user_id.clone())),
+        password.expose().to_owned(),
+    );
+    auth.session = uiaa.session.clone();
+    uiaa::AuthData::Password(auth)
+}
+
 /// Reads her standing back from the store and the homeserver.
 async fn standing(
     client: &Client,
     persona: &Persona,
     path: &Path,
-    written: bool,
 ) -> Result<Standing, IdentityError> {
     let id = persona.id.as_str();
     let enc = client.encryption();
@@ -281,9 +279,7 @@ async fn standing(
     Ok(Standing {
         cross_signed,
         backup: enc.backups().are_enabled().await,
-        recovery_key: path.to_owned(),
         recovery_key_present: path.exists(),
-        recovery_key_written: written,
     })
 }
 
@@ -309,10 +305,7 @@ pub async fn recover(
 ) -> Result<Recovered, IdentityError> {
     let id = persona.id.as_str();
     let paths = Paths::new(state_dir, id);
-    let old_device = std::fs::read(&paths.record)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| v["device_id"].as_str().map(str::to_owned));
+    let old_device = paths.recorded_device();
     if old_device.as_deref() == Some(persona.device_id.as_str()) {
         if paths.store_exists() {
             return Err(IdentityError::NothingLost {
@@ -374,7 +367,7 @@ pub async fn recover(
     if let (Some(old), Some(password)) = (&old_device, persona.load_password()?) {
         deleted = delete_device(&client, persona, old, &password).await?;
     }
-    let standing = standing(&client, persona, &path, false).await?;
+    let standing = standing(&client, persona, &path).await?;
     Ok(Recovered {
         old_device,
         old_device_deleted: deleted,
@@ -405,13 +398,8 @@ async fn delete_device(
     let Some(uiaa) = first.as_uiaa_response() else {
         return Err(sdk(id, "deleting her lost device")(first));
     };
-    let mut auth = uiaa::Password::new(
-        uiaa::UserIdentifier::Matrix(uiaa::MatrixUserIdentifier::new(persona.user_id.clone())),
-        password.expose().to_owned(),
-    );
-    auth.session = uiaa.session.clone();
     client
-        .delete_devices(&devices, Some(uiaa::AuthData::Password(auth)))
+        .delete_devices(&devices, Some(password_auth(persona, password, uiaa)))
         .await
         .map_err(sdk(id, "deleting her lost device with her password"))?;
     Ok(true)

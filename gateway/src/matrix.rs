@@ -155,6 +155,13 @@ impl Paths {
         }
     }
 
+    /// The device her session record names, when the record is there and readable.
+    pub fn recorded_device(&self) -> Option<String> {
+        let bytes = std::fs::read(&self.record).ok()?;
+        let record: SessionRecord = serde_json::from_slice(&bytes).ok()?;
+        Some(record.device_id)
+    }
+
     /// Whether her SDK store (its crypto database) is there.
     pub fn store_exists(&self) -> bool {
         self.store.join("matrix-sdk-crypto.sqlite3").exists()

@@ -143,31 +143,14 @@ async fn media_of(
     let event_id = matrix_sdk::ruma::OwnedEventId::try_from(d.event_id.as_str()).ok()?;
     let room = client.get_room(&room_id)?;
     let ev = room.event(&event_id, None).await.ok()?;
-    let v: serde_json::Value = serde_json::from_str(ev.raw().json().get()).ok()?;
-    let content: RoomMessageEventContent =
-        serde_json::from_value(v.get("content")?.clone()).ok()?;
-    let size = |s: Option<matrix_sdk::ruma::UInt>| s.map(u64::from);
-    match content.msgtype {
-        MessageType::Image(c) => {
-            let info = c.info.as_deref();
-            Some((
-                "m.image".to_owned(),
-                info.and_then(|i| i.mimetype.clone()),
-                size(info.and_then(|i| i.size)),
-                c.source,
-            ))
-        }
-        MessageType::File(c) => {
-            let info = c.info.as_deref();
-            Some((
-                "m.file".to_owned(),
-                info.and_then(|i| i.mimetype.clone()),
-                size(info.and_then(|i| i.size)),
-                c.source,
-            ))
-        }
-        _ => None,
-    }
+    let content: RoomMessageEventContent = ev.raw().get_field("content").ok()??;
+    let (msgtype, info, source) = match content.msgtype {
+        MessageType::Image(c) => ("m.image", c.info.map(|i| (i.mimetype, i.size)), c.source),
+        MessageType::File(c) => ("m.file", c.info.map(|i| (i.mimetype, i.size)), c.source),
+        _ => return None,
+    };
+    let (mimetype, size) = info.unwrap_or_default();
+    Some((msgtype.to_owned(), mimetype, size.map(u64::from), source))
 }
 
 #[cfg(test)]

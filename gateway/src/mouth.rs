@@ -174,27 +174,10 @@ pub struct Shape<'a> {
 }
 
 /// The `m.room.message` content for a send: text (with its Markdown rendered as HTML when it
-/// has any), in a thread and/or replying, and with `mentions` the users it mentions
-/// (`m.mentions`: clients then ping exactly these, instead of guessing from the text by the
-/// legacy push rules). `None` leaves `m.mentions` out, as a CultNet client's send asks.
-pub fn content(
-    text: &str,
-    thread_root: Option<&str>,
-    reply_to: Option<&str>,
-    mentions: Option<&[String]>,
-) -> Value {
-    shaped(
-        text,
-        thread_root,
-        reply_to,
-        &Shape {
-            mentions,
-            ..Shape::default()
-        },
-    )
-}
-
-/// [`content`] with pills for the names it mentions, or as an edit of her own event.
+/// has any, the names it mentions as pills), in a thread and/or replying, or as an edit of her
+/// own event, and with the users it mentions (`m.mentions`: clients then ping exactly these,
+/// instead of guessing from the text by the legacy push rules; `None` leaves it out, as a
+/// CultNet client's send asks).
 pub fn shaped(
     text: &str,
     thread_root: Option<&str>,
@@ -345,7 +328,7 @@ impl Mouth {
 
     /// Sends (at most once per request id) and answers with the receipt.
     pub async fn send(&self, req: &SendRequest) -> SendReceipt {
-        self.send_mentioning(req, None).await
+        self.send_shaped(req, &Shape::default()).await
     }
 
     /// A CultNet client's send: `req` carries the id the client owns (its agent and its id),
@@ -371,23 +354,8 @@ impl Mouth {
         &self.client
     }
 
-    /// [`Mouth::send`] with `m.mentions` (see [`content`]): her own says name who they mention.
-    pub async fn send_mentioning(
-        &self,
-        req: &SendRequest,
-        mentions: Option<&[String]>,
-    ) -> SendReceipt {
-        self.send_shaped(
-            req,
-            &Shape {
-                mentions,
-                ..Shape::default()
-            },
-        )
-        .await
-    }
-
-    /// [`Mouth::send`] shaped by her reply (see [`Shape`]).
+    /// [`Mouth::send`] shaped by her reply (see [`Shape`]): her own says name whom they
+    /// mention, pill them, and may correct a line of hers.
     pub async fn send_shaped(&self, req: &SendRequest, shape: &Shape<'_>) -> SendReceipt {
         let started = std::time::Instant::now();
         let receipt = self.send_inner(req, Outgoing::Message(shape)).await;
@@ -413,7 +381,7 @@ impl Mouth {
     }
 
     async fn send_inner(&self, req: &SendRequest, out: Outgoing<'_>) -> SendReceipt {
-        match self.try_send_as(req, out).await {
+        match self.try_send(req, out).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(persona = %self.persona, request = %req.request_id, error = %e, "send failed");
@@ -431,23 +399,8 @@ impl Mouth {
         }
     }
 
-    /// [`Mouth::send_mentioning`] with the failure typed.
-    pub async fn try_send(
-        &self,
-        req: &SendRequest,
-        mentions: Option<&[String]>,
-    ) -> Result<SendReceipt, MouthError> {
-        self.try_send_as(
-            req,
-            Outgoing::Message(&Shape {
-                mentions,
-                ..Shape::default()
-            }),
-        )
-        .await
-    }
-
-    async fn try_send_as(
+    /// [`Mouth::send_inner`] with the failure typed.
+    async fn try_send(
         &self,
         req: &SendRequest,
         out: Outgoing<'_>,
@@ -645,6 +598,24 @@ impl Mouth {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A send's content with `mentions` only.
+    fn content(
+        text: &str,
+        thread_root: Option<&str>,
+        reply_to: Option<&str>,
+        mentions: Option<&[String]>,
+    ) -> Value {
+        shaped(
+            text,
+            thread_root,
+            reply_to,
+            &Shape {
+                mentions,
+                ..Shape::default()
+            },
+        )
+    }
 
     #[test]
     fn txn_ids_are_stable_distinct_and_path_safe() {

@@ -1941,10 +1941,9 @@ impl TurnLoop {
                         .react(&request_id, line.room_id, line.event_id, &r.key)
                         .await;
                     match receipt.status {
-                        Status::Ok | Status::Rejected => {
-                            if receipt.status == Status::Rejected {
-                                tracing::warn!(request = %request_id, error = ?receipt.error, "reaction refused");
-                            }
+                        Status::Ok => {}
+                        Status::Rejected => {
+                            tracing::warn!(request = %request_id, error = ?receipt.error, "reaction refused");
                         }
                         Status::Failed | Status::Unknown => {
                             return Err(TurnError::Send {

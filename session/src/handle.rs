@@ -39,7 +39,7 @@ pub fn is_handle(s: &str) -> bool {
     let mut chars = s.chars();
     chars.next() == Some(PREFIX)
         && s.len() == 7
-        && chars.all(|c| ALPHABET.contains(&(c as u8)) && c.is_ascii())
+        && chars.all(|c| c.is_ascii() && ALPHABET.contains(&(c as u8)))
 }
 
 /// A line a handle names: its room, event and sender, and its text.
@@ -70,6 +70,12 @@ pub fn resolve<'a>(
             event_id == handle
         }
     };
+    let line = |room_id: &'a str, c: &'a ContextLine| Cited {
+        room_id,
+        event_id: &c.event_id,
+        sender: &c.sender,
+        text: &c.text,
+    };
     let from_batch = batch.iter().rev().find_map(|d| {
         if matches(&d.event_id) {
             return Some(Cited {
@@ -79,29 +85,13 @@ pub fn resolve<'a>(
                 text: &d.text,
             });
         }
-        d.context
-            .iter()
-            .rev()
-            .find(|c| matches(&c.event_id))
-            .map(|c| Cited {
-                room_id: &d.room_id,
-                event_id: &c.event_id,
-                sender: &c.sender,
-                text: &c.text,
-            })
+        let c = d.context.iter().rev().find(|c| matches(&c.event_id))?;
+        Some(line(&d.room_id, c))
     });
     from_batch.or_else(|| {
         timelines.iter().find_map(|(room, lines)| {
-            lines
-                .iter()
-                .rev()
-                .find(|c| matches(&c.event_id))
-                .map(|c| Cited {
-                    room_id: room,
-                    event_id: &c.event_id,
-                    sender: &c.sender,
-                    text: &c.text,
-                })
+            let c = lines.iter().rev().find(|c| matches(&c.event_id))?;
+            Some(line(room, c))
         })
     })
 }

@@ -463,20 +463,7 @@ pub fn has_word(hay: &str, needle: &str) -> bool {
 /// display name it names as a word; never `me`, never the whole room. In the order first
 /// found, each once.
 pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
-    let people = batch.iter().flat_map(|d| {
-        std::iter::once((
-            d.event_id.as_str(),
-            d.sender.as_str(),
-            d.sender_name.as_deref(),
-        ))
-        .chain(d.context.iter().map(|c| {
-            (
-                c.event_id.as_str(),
-                c.sender.as_str(),
-                c.sender_name.as_deref(),
-            )
-        }))
-    });
+    let people = people(batch);
     let mut out: Vec<String> = Vec::new();
     let mut add = |user: &str| {
         if user != me && !out.iter().any(|u| u == user) {
@@ -492,38 +479,49 @@ pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
         }
     }
     for (_, sender, name) in people {
-        let named = name.is_some_and(|n| n.chars().count() >= 2 && has_word(&say.text, n));
-        if named || say.text.contains(sender) {
+        if name.is_some_and(|n| names(&say.text, n)) || say.text.contains(sender) {
             add(sender);
         }
     }
     out
 }
 
+/// Everyone speaking in `batch`, its lines and their context: (event id, sender, name).
+fn people(batch: &[Delivery]) -> impl Iterator<Item = (&str, &str, Option<&str>)> + Clone {
+    batch.iter().flat_map(|d| {
+        std::iter::once((
+            d.event_id.as_str(),
+            d.sender.as_str(),
+            d.sender_name.as_deref(),
+        ))
+        .chain(d.context.iter().map(|c| {
+            (
+                c.event_id.as_str(),
+                c.sender.as_str(),
+                c.sender_name.as_deref(),
+            )
+        }))
+    })
+}
+
+/// Whether `text` names someone by display name `name` (two characters at least, a word).
+fn names(text: &str, name: &str) -> bool {
+    name.chars().count() >= 2 && has_word(text, name)
+}
+
 /// The names a say of hers writes for the users it mentions ([`mentioned`]), each with its
 /// user: what a client shows as a pill. A user named by id is pilled by id.
 pub fn pills(say: &Say, batch: &[Delivery], me: &str) -> Vec<(String, String)> {
-    let names: Vec<(&str, Option<&str>)> = batch
-        .iter()
-        .flat_map(|d| {
-            std::iter::once((d.sender.as_str(), d.sender_name.as_deref())).chain(
-                d.context
-                    .iter()
-                    .map(|c| (c.sender.as_str(), c.sender_name.as_deref())),
-            )
-        })
-        .collect();
     mentioned(say, batch, me)
         .into_iter()
         .filter_map(|user| {
-            let name = names
-                .iter()
-                .filter(|(u, _)| *u == user)
-                .find_map(|(_, n)| n.filter(|n| n.chars().count() >= 2 && has_word(&say.text, n)));
             if say.text.contains(&user) {
                 return Some((user.clone(), user));
             }
-            name.map(|n| (user.clone(), n.to_owned()))
+            let name = people(batch)
+                .filter(|(_, u, _)| *u == user)
+                .find_map(|(_, _, n)| n.filter(|n| names(&say.text, n)))?;
+            Some((user.clone(), name.to_owned()))
         })
         .collect()
 }
