@@ -75,12 +75,24 @@ fn is_plain(text: &str, events: &[Event<'_>]) -> bool {
 /// made a Markdown link to its user (`https://matrix.to/#/@user`): the pill a client shows.
 /// The plain body keeps the name as written.
 pub fn with_pills(text: &str, pills: &[(String, String)]) -> String {
-    let mut out = text.to_owned();
+    // Each name's first place in the text as written (a link made for one name is never
+    // searched for the next), then the links put in from the back, so earlier places hold.
+    let mut places: Vec<(usize, &str, &str)> = Vec::new();
     for (user, name) in pills {
-        let Some(at) = word_at(&out, name) else {
+        let Some(at) = word_at(text, name) else {
             continue;
         };
-        let written = &out[at..at + name.len()];
+        let overlaps = places
+            .iter()
+            .any(|(p, _, n)| at < p + n.len() && *p < at + name.len());
+        if !overlaps {
+            places.push((at, user, name));
+        }
+    }
+    places.sort_by_key(|(at, ..)| std::cmp::Reverse(*at));
+    let mut out = text.to_owned();
+    for (at, user, name) in places {
+        let written = &text[at..at + name.len()];
         let mut label = String::new();
         for c in written.chars() {
             if matches!(c, '[' | ']' | '\\' | '*' | '_' | '`') {
@@ -107,7 +119,6 @@ fn word_at(hay: &str, needle: &str) -> Option<usize> {
         !word(hay[..i].chars().next_back())
             && !word(hay[i + needle.len()..].chars().next())
             && hay[..i].matches('`').count().is_multiple_of(2)
-            && !hay[..i].ends_with("](")
     })
 }
 
@@ -162,6 +173,16 @@ mod tests {
             "hi [x\\_y](https://matrix.to/#/@x_y:l)"
         );
         assert_eq!(with_pills("no one here", &ann), "no one here");
+        // A later name is never found inside the link made for an earlier one, and each
+        // name's link goes where the name was written.
+        let two = [
+            ("@ann:l".to_owned(), "ann".to_owned()),
+            ("@m:l".to_owned(), "matrix".to_owned()),
+        ];
+        assert_eq!(
+            with_pills("ann asked matrix", &two),
+            "[ann](https://matrix.to/#/@ann:l) asked [matrix](https://matrix.to/#/@m:l)"
+        );
     }
 
     /// Each text's HTML, or `None` for text sent plain.
