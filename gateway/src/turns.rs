@@ -1886,8 +1886,8 @@ impl TurnLoop {
                     if !targets.unresolved.is_empty() {
                         tracing::warn!(request = %request_id, handles = ?targets.unresolved, "say sent without the lines it named: she never saw them");
                     }
-                    let mentions = render::mentioned(say, batch, me);
-                    let pills = render::pills(say, batch, me);
+                    let mentions = render::mentioned(say, batch, lines, me);
+                    let pills = render::pills(say, batch, &mentions);
                     let receipt = self
                         .mouth
                         .send_shaped(

@@ -461,10 +461,15 @@ pub fn has_word(hay: &str, needle: &str) -> bool {
 }
 
 /// The users a say of hers mentions, for its `m.mentions`: the sender of the line it replies
-/// to, and everyone in `batch` (its senders, and those of its context lines) whose user id or
-/// display name it names as a word; never `me`, never the whole room. In the order first
-/// found, each once.
-pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
+/// to (found as [`targets`] finds it, also in her rooms' `timelines`), and everyone in `batch`
+/// (its senders, and those of its context lines) whose user id or display name it names as a
+/// word; never `me`, never the whole room. In the order first found, each once.
+pub fn mentioned(
+    say: &Say,
+    batch: &[Delivery],
+    timelines: &[(String, Vec<ContextLine>)],
+    me: &str,
+) -> Vec<String> {
     let people = people(batch);
     let mut out: Vec<String> = Vec::new();
     let mut add = |user: &str| {
@@ -472,13 +477,12 @@ pub fn mentioned(say: &Say, batch: &[Delivery], me: &str) -> Vec<String> {
             out.push(user.to_owned());
         }
     };
-    if let Some(target) = &say.reply_to {
-        if let Some((_, sender, _)) = people
-            .clone()
-            .find(|(id, _, _)| id == target || handle::of(id) == *target)
-        {
-            add(sender);
-        }
+    if let Some(cited) = say
+        .reply_to
+        .as_deref()
+        .and_then(|target| handle::resolve(target, batch, timelines))
+    {
+        add(cited.sender);
     }
     for (_, sender, name) in people {
         if name.is_some_and(|n| names(&say.text, n)) || say.text.contains(sender) {
@@ -511,17 +515,18 @@ fn names(text: &str, name: &str) -> bool {
     name.chars().count() >= 2 && has_word(text, name)
 }
 
-/// The names a say of hers writes for the users it mentions ([`mentioned`]), each with its
-/// user: what a client shows as a pill. A user named by id is pilled by id.
-pub fn pills(say: &Say, batch: &[Delivery], me: &str) -> Vec<(String, String)> {
-    mentioned(say, batch, me)
-        .into_iter()
+/// The names a say of hers writes for the users it mentions (`mentioned`, what [`mentioned`]
+/// found), each with its user: what a client shows as a pill. A user named by id is pilled by
+/// id.
+pub fn pills(say: &Say, batch: &[Delivery], mentioned: &[String]) -> Vec<(String, String)> {
+    mentioned
+        .iter()
         .filter_map(|user| {
-            if say.text.contains(&user) {
-                return Some((user.clone(), user));
+            if say.text.contains(user.as_str()) {
+                return Some((user.clone(), user.clone()));
             }
             let name = people(batch)
-                .filter(|(_, u, _)| *u == user)
+                .filter(|(_, u, _)| u == user)
                 .find_map(|(_, _, n)| n.filter(|n| names(&say.text, n)))?;
             Some((user.clone(), name.to_owned()))
         })
@@ -1320,12 +1325,12 @@ mod tests {
             replaces: None,
         };
         assert_eq!(
-            mentioned(&say("Bob, Ann Lee asks", None), &batch, "@vera:l"),
+            mentioned(&say("Bob, Ann Lee asks", None), &batch, &[], "@vera:l"),
             ["@alice:localhost", "@bob:l"]
         );
         // A reply mentions whom it answers; a name of one letter is no mention; nor is she.
         assert_eq!(
-            mentioned(&say("e: sure", Some("$e2")), &batch, "@vera:l"),
+            mentioned(&say("e: sure", Some("$e2")), &batch, &[], "@vera:l"),
             ["@eve:l"]
         );
         // By the handle she saw too.
@@ -1333,23 +1338,52 @@ mod tests {
             mentioned(
                 &say("sure", Some(&crate::handle::of("$e2"))),
                 &batch,
+                &[],
                 "@vera:l"
             ),
             ["@eve:l"]
         );
-        assert!(mentioned(&say("bobby and annlee", None), &batch, "@vera:l").is_empty());
-        assert!(mentioned(&say("ask @bob:l", None), &batch, "@bob:l").is_empty());
+        // A line of an earlier turn, in her rooms' timelines only: its sender too.
+        let timelines = vec![(
+            "!a".to_owned(),
+            vec![ContextLine {
+                event_id: "$old".into(),
+                sender: "@zoe:l".into(),
+                sender_name: None,
+                ts: 0,
+                text: "earlier".into(),
+            }],
+        )];
+        assert_eq!(
+            mentioned(
+                &say("still true", Some(&crate::handle::of("$old"))),
+                &batch,
+                &timelines,
+                "@vera:l"
+            ),
+            ["@zoe:l"]
+        );
+        assert!(mentioned(&say("bobby and annlee", None), &batch, &[], "@vera:l").is_empty());
+        assert!(mentioned(&say("ask @bob:l", None), &batch, &[], "@bob:l").is_empty());
         // Pills: the names as she wrote them; one named by id is pilled by id; one she
         // answers without naming has no pill.
         assert_eq!(
-            pills(&say("Bob, Ann Lee asks", None), &batch, "@vera:l"),
+            pills(
+                &say("Bob, Ann Lee asks", None),
+                &batch,
+                &["@alice:localhost".to_owned(), "@bob:l".to_owned()]
+            ),
             [
                 ("@alice:localhost".to_owned(), "Ann Lee".to_owned()),
                 ("@bob:l".to_owned(), "bob".to_owned())
             ]
         );
         assert_eq!(
-            pills(&say("ask @bob:l", Some("$e2")), &batch, "@vera:l"),
+            pills(
+                &say("ask @bob:l", Some("$e2")),
+                &batch,
+                &["@eve:l".to_owned(), "@bob:l".to_owned()]
+            ),
             [("@bob:l".to_owned(), "@bob:l".to_owned())]
         );
         assert!(has_word("Hi, Vera!", "vera") && !has_word("veranda", "vera"));
