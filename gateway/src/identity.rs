@@ -326,6 +326,8 @@ pub async fn recover(
             path,
         });
     };
+    // Read before anything is moved: a password file that cannot be read stops here.
+    let password = persona.load_password()?;
     // What is left of the lost store is kept aside, never deleted.
     let stamp = crate::clock::unix_ms();
     let mut moved = Vec::new();
@@ -364,8 +366,8 @@ pub async fn recover(
         .await;
     open_secret_storage(&client, persona, &key, &path).await?;
     let mut deleted = false;
-    if let (Some(old), Some(password)) = (&old_device, persona.load_password()?) {
-        deleted = delete_device(&client, persona, old, &password).await?;
+    if let (Some(old), Some(password)) = (&old_device, &password) {
+        deleted = delete_device(&client, persona, old, password).await?;
     }
     let standing = standing(&client, persona, &path).await?;
     Ok(Recovered {
