@@ -318,6 +318,11 @@ pub struct Turns {
     pub bot_exchanges: u32,
     /// Users whose lines count as a bot's (besides the other Personas of this gateway).
     pub bots: Vec<String>,
+    /// Waiting lines from members one public room keeps as mail; older ones are retired into
+    /// the room's context (she reads the newest of them there at her next turn).
+    pub waiting_lines: usize,
+    /// Bytes of text of those waiting lines one room keeps (its newest line always).
+    pub waiting_bytes: usize,
 }
 
 impl Default for Turns {
@@ -329,6 +334,8 @@ impl Default for Turns {
             per_sender_per_hour: r.per_sender_per_hour,
             bot_exchanges: r.bot_exchanges,
             bots: Vec::new(),
+            waiting_lines: session::waiting::Bound::default().lines,
+            waiting_bytes: session::waiting::Bound::default().bytes,
         }
     }
 }
@@ -342,6 +349,14 @@ impl Turns {
                 .unwrap_or(i64::MAX),
             per_sender_per_hour: self.per_sender_per_hour,
             bot_exchanges: self.bot_exchanges,
+        }
+    }
+
+    /// The bound on a room's waiting mail [`session::waiting`] retires by.
+    pub fn bound(&self) -> session::waiting::Bound {
+        session::waiting::Bound {
+            lines: self.waiting_lines,
+            bytes: self.waiting_bytes,
         }
     }
 }
@@ -864,6 +879,8 @@ impl Config {
                 ("limits.context_bytes", l.context_bytes),
                 ("limits.fetch_limit", l.fetch_limit),
                 ("limits.gap_fill_max", l.gap_fill_max),
+                ("turns.waiting_lines", p.turns.waiting_lines),
+                ("turns.waiting_bytes", p.turns.waiting_bytes),
             ] {
                 if v == 0 {
                     return Err(err(who, k, "must be greater than 0"));
@@ -1247,6 +1264,9 @@ operators = ["@op:localhost"]
             ),
             (Start::Addressed, 0, 10, 3)
         );
+        assert_eq!((d.waiting_lines, d.waiting_bytes), (20, 16 * 1024));
+        let e = turns("waiting_lines = 0").unwrap_err();
+        assert_eq!(e.key, "turns.waiting_lines");
         let c = turns("start = \"minds\"\nambient_every_secs = 600\nbots = [\"@hal:l\"]").unwrap();
         let t = &c.personas[0].turns;
         assert_eq!(

@@ -1,7 +1,6 @@
 //! The ear: one sync loop per Persona whose position the gateway owns.
 //!
-//! Each round: wait while her inbox is full (`max_pending`; the homeserver keeps the
-//! messages), `sync_once` from the inbox's stored token, turn the response into deliveries
+//! Each round: `sync_once` from the inbox's stored token, turn the response into deliveries
 //! and timeline lines, and store them with the response's `next_batch` in one flushed batch
 //! ([`Inbox::ingest_sync`]). Only then is the new token used. So a crash anywhere replays the
 //! response, and the event-id index drops what was already stored.
@@ -11,6 +10,12 @@
 //! - A `limited` timeline is gap-filled backwards from its `prev_batch` down to the previous
 //!   token, at most `gap_fill_max` events; if the fill fails the round fails and is retried
 //!   from the old token, so nothing is skipped.
+//! - While her inbox is full (`max_pending` pending: CultNet clients have not acknowledged
+//!   her mail) her position stays where it is (the homeserver keeps the messages), but a
+//!   *partial* round still syncs her DMs and invites alone, from a position of its own that
+//!   is never stored: her operators' invites are joined and their DM lines stored (the full
+//!   sync meets them again later, deduplicated by event id). No state of her inbox keeps an
+//!   operator waiting.
 //! - DM invites from her operators are joined; others are ignored and logged.
 //! - Errors back off exponentially (0.5 s to 30 s); a 429's requested wait is honoured.
 //! - An event that cannot be decrypted is held (in the inbox) and retried every round; once it
@@ -62,8 +67,11 @@ pub struct EarStats {
     pub errors: AtomicU64,
     /// 429 answers.
     pub rate_limited: AtomicU64,
-    /// Rounds skipped because the inbox was full.
+    /// Rounds held back because the inbox was full (each a partial round of her DMs and
+    /// invites alone).
     pub held_back: AtomicU64,
+    /// When her inbox was last found full (ms since the epoch; 0 while it is not).
+    pub full_since_ms: AtomicU64,
     /// When the last sync round succeeded (ms since the epoch; 0 before the first).
     pub last_sync_ms: AtomicU64,
 }
@@ -112,7 +120,17 @@ pub struct Ear {
     looked_up: HashMap<String, std::time::Instant>,
     signals: Arc<Signals>,
     stats: Arc<EarStats>,
+    /// The position of the partial rounds while her inbox is full (from her stored position
+    /// when it filled; forgotten once it has room again).
+    partial_token: Option<String>,
 }
+
+/// The account data event type whose writes move her homeserver's sync position on
+/// ([`Ear::unstick`]).
+pub const SYNC_MARK: &str = "org.cultnet.gateway.sync_mark";
+
+/// How long a partial round long-polls: it gives way soon to a full round once acks free room.
+const PARTIAL_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for Ear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -146,6 +164,7 @@ impl Ear {
             looked_up: HashMap::new(),
             signals,
             stats,
+            partial_token: None,
         }
     }
 
@@ -159,11 +178,19 @@ impl Ear {
             let round = async {
                 if self.is_full()? {
                     self.stats.held_back.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::timeout(Duration::from_secs(5), self.signals.acked.notified())
-                        .await
-                        .ok();
-                    return Ok::<_, EarError>(());
+                    if self.stats.full_since_ms.load(Ordering::Relaxed) == 0 {
+                        tracing::warn!(persona = %self.persona.id, max_pending = self.persona.limits.max_pending, "her inbox is full: CultNet clients have not acknowledged her mail; her rooms wait on the homeserver, her DMs and invites are still synced");
+                        self.stats.full_since_ms.store(
+                            u64::try_from(unix_ms()).unwrap_or(1).max(1),
+                            Ordering::Relaxed,
+                        );
+                    }
+                    return self.partial_round(PARTIAL_SYNC_TIMEOUT).await.map(|_| ());
                 }
+                if self.stats.full_since_ms.swap(0, Ordering::Relaxed) != 0 {
+                    tracing::info!(persona = %self.persona.id, "her inbox has room again: full sync resumes");
+                }
+                self.partial_token = None;
                 self.round(SYNC_TIMEOUT).await.map(|_| ())
             };
             let result = tokio::select! {
@@ -204,9 +231,77 @@ impl Ear {
     /// One sync round: sync from the stored token, store what it brought. Returns the number
     /// of new deliveries.
     pub async fn round(&mut self, timeout: Duration) -> Result<usize, EarError> {
-        let since = self.inbox.sync_token(&self.persona.id)?;
+        self.sync_round(timeout, false).await
+    }
+
+    /// A round while her inbox is full: her DM rooms and invites alone, from the partial
+    /// position (her stored one at first); her stored position does not move.
+    pub async fn partial_round(&mut self, timeout: Duration) -> Result<usize, EarError> {
+        self.sync_round(timeout, true).await
+    }
+
+    /// Her joined rooms that are not DMs (a partial round leaves them on the homeserver).
+    async fn public_rooms(&self) -> Vec<OwnedRoomId> {
+        let mut out = Vec::new();
+        for room in self.client.joined_rooms() {
+            if !room.is_direct().await.unwrap_or(false) {
+                out.push(room.room_id().to_owned());
+            }
+        }
+        out
+    }
+
+    /// The SDK drops a sync response whose `next_batch` equals the token it stored last
+    /// (matrix-sdk-base `receive_sync_response`: "Got the same sync response twice"). Its token
+    /// runs ahead of hers after partial rounds, and after a crash between its processing and
+    /// her inbox's write; a sync from hers would then come back with the SDK's own position
+    /// when nothing happened since, and its events would be lost. So when the two differ, a
+    /// mark in her account data moves the homeserver's position on first.
+    async fn unstick(&self, since: Option<&str>) -> Result<(), EarError> {
+        use matrix_sdk::store::StateStoreDataKey;
+        let Some(since) = since else {
+            return Ok(());
+        };
+        let sdk = self
+            .client
+            .state_store()
+            .get_kv_data(StateStoreDataKey::SyncToken)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| v.into_sync_token());
+        if sdk.as_deref().is_none_or(|t| t == since) {
+            return Ok(());
+        }
+        let mark = serde_json::json!({ "at_ms": unix_ms() });
+        let raw = serde_json::value::to_raw_value(&mark)
+            .map_err(|e| EarError::Matrix(matrix_sdk::Error::SerdeJson(e)))?;
+        self.client
+            .account()
+            .set_account_data_raw(
+                SYNC_MARK.into(),
+                matrix_sdk::ruma::serde::Raw::from_json(raw),
+            )
+            .await?;
+        tracing::debug!(persona = %self.persona.id, "sync position marked: her store's token ran ahead of hers");
+        Ok(())
+    }
+
+    async fn sync_round(&mut self, timeout: Duration, partial: bool) -> Result<usize, EarError> {
+        let stored = self.inbox.sync_token(&self.persona.id)?;
+        if !partial {
+            self.unstick(stored.as_deref()).await?;
+        }
+        let since = if partial {
+            self.partial_token.clone().or(stored)
+        } else {
+            stored
+        };
         let mut filter = FilterDefinition::default();
         filter.room.timeline.limit = UInt::new(self.persona.limits.fetch_limit as u64);
+        if partial {
+            filter.room.not_rooms = self.public_rooms().await;
+        }
         let settings = SyncSettings::default()
             .timeout(timeout)
             .filter(Filter::FilterDefinition(filter))
@@ -223,6 +318,7 @@ impl Ear {
         let now_ms = unix_ms();
         let mut lines = Vec::new();
         let mut redacted = Vec::new();
+        tracing::debug!(persona = %self.persona.id, partial, since = ?since, next = %resp.next_batch, rooms = resp.rooms.joined.len(), events = resp.rooms.joined.values().map(|u| u.timeline.events.len()).sum::<usize>(), "synced");
         for (room_id, update) in &resp.rooms.joined {
             let Some(room) = self.client.get_room(room_id) else {
                 continue;
@@ -374,10 +470,14 @@ impl Ear {
                 hold: &hold,
                 release: &release,
                 redacted: &redacted,
+                partial,
             };
             inbox.ingest_sync(&id, &next, write)
         })
         .await??;
+        if partial {
+            self.partial_token = Some(resp.next_batch.clone());
+        }
         self.stats.syncs.fetch_add(1, Ordering::Relaxed);
         self.stats
             .last_sync_ms

@@ -16,6 +16,7 @@
 //! - `n`, `i`, `l` persona, ... -> session notes waiting to be shown, note ids, the latest
 //!   note of each replacing kind ([`notes`])
 //! - `o` persona, seq -> her replies' extension fields waiting for a client ([`outbox`])
+//! - `m` persona, `retired` -> seqs taken out of her mail into context ([`retire`])
 //!
 //! and a tree `receipts`: persona, request id -> when it was stored and the send receipt (kept
 //! for the retention, [`Inbox::prune`]).
@@ -24,7 +25,8 @@
 //! atomic batch and flushes before returning: a delivery is visible (to [`Inbox::pending`])
 //! only once it is on disk, and the token is never ahead of what it covers. Seqs are per
 //! Persona, dense, monotonic, never reused, and survive restarts; so what is pending is exactly
-//! the seqs after the ack watermark.
+//! the seqs after the ack watermark, but those a live Persona's turn loop retired into context
+//! ([`retire`]).
 //!
 //! Why chunks: sled pays per key, not per byte. Two keys per delivery (record and event index)
 //! cost ~3 ms per 100-delivery response and missed the latency target; one chunk and one id list
@@ -270,6 +272,10 @@ pub struct SyncWrite<'a> {
     /// Events deleted (redacted), by room and event id: blanked ([`crate::event::DELETED`])
     /// in pending mail and its context and in the rooms' timelines, and no longer held.
     pub redacted: &'a [(String, String)],
+    /// A response of a round that synced her operators' DMs and invites alone while her inbox
+    /// was full: its token is not her position (the full sync resumes from the stored one and
+    /// meets these events again, deduplicated), so it is not stored.
+    pub partial: bool,
 }
 
 /// An event that could not be decrypted yet: retried each sync round, and delivered with a
@@ -520,6 +526,7 @@ impl Inbox {
             hold,
             release,
             redacted,
+            partial,
         } = write;
         // Before the token moves on: a crash after this replays the sync, which blanks again.
         self.redact_pending(persona, redacted)?;
@@ -580,7 +587,9 @@ impl Inbox {
                 }
             }
             ops.insert(next_key, &next.to_be_bytes());
-            ops.insert(key(persona, b"token"), next_token.as_bytes());
+            if !partial {
+                ops.insert(key(persona, b"token"), next_token.as_bytes());
+            }
             st.tree.apply_batch(ops)?;
             st.flush()?;
             Ok(assigned)
@@ -722,7 +731,8 @@ impl Inbox {
     }
 
     /// Highest, acknowledged and pending counts. Seqs are dense and every seq after the ack
-    /// watermark is stored, so pending is their difference.
+    /// watermark is stored but those retired into context ([`retire`]), so pending is their
+    /// difference less the retired.
     pub fn counts(&self, persona: &str) -> Result<Counts, InboxError> {
         let st = self.stores()?;
         let highest = st
@@ -736,10 +746,11 @@ impl Inbox {
             .get(key(persona, b"acked"))?
             .map(|v| u64_of(&v))
             .unwrap_or(0);
+        let holes = retire::holes_above(&self.retired_ranges(&st, persona)?, acked_through);
         Ok(Counts {
             highest,
             acked_through,
-            pending: highest.saturating_sub(acked_through),
+            pending: highest.saturating_sub(acked_through).saturating_sub(holes),
         })
     }
 
@@ -805,8 +816,9 @@ impl Inbox {
             }
         }
         let through_seq = deliveries.last().map_or(after, |d| d.seq);
+        let last_live = retire::last_live(&self.retired_ranges(&st, persona)?, counts.highest);
         Ok(Page {
-            more: full || through_seq.max(from - 1) < counts.highest,
+            more: full || through_seq.max(from - 1) < last_live,
             deliveries,
             through_seq,
             pending_count: counts.pending,
@@ -994,11 +1006,13 @@ pub mod compact;
 pub mod notes;
 pub mod outbox;
 pub mod retention;
+pub mod retire;
 
 pub use compact::{CompactWhen, Compacted};
 pub use notes::{Note, NotePut};
 pub use outbox::{ExtensionPage, TurnCommit};
 pub use retention::{Pruned, Retention};
+pub use retire::Retired;
 
 /// A stored receipt: when it was stored (`None` in the first layout), the receipt, and the
 /// digest of its message (kept since repeats with another message are refused).

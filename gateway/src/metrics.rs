@@ -89,6 +89,9 @@ pub struct Metrics {
     pub budget_resumes_at: Family<PersonaLabel, Gauge>,
     /// Live claude processes stopped to make room for another Persona's (`[sessions] max_live`).
     pub process_evictions: Counter,
+    /// Waiting lines retired from a live Persona's mail into her rooms' context
+    /// (`[persona.turns] waiting_lines`/`waiting_bytes`, and room for a turn's trigger).
+    pub mail_retired: Family<PersonaLabel, Counter>,
 }
 
 /// The limits a request can be refused for ([`Metrics::limited`]).
@@ -126,6 +129,7 @@ impl Metrics {
             over_budget: Family::default(),
             budget_resumes_at: Family::default(),
             process_evictions: Counter::default(),
+            mail_retired: Family::default(),
         };
         // Every limit's series exists from the start at 0, so a dashboard shows a flat line,
         // not "no data", and a rate over the first cut-off is right.
@@ -438,6 +442,11 @@ pub(crate) fn registry(state: Arc<Mutex<Snapshot>>, m: &Metrics) -> Registry {
         "over_budget",
         "1 while a Persona's spend in the last 24 hours has reached her daily cap",
         m.over_budget.clone(),
+    );
+    r.register(
+        "mail_retired",
+        "Waiting lines retired from a live Persona's mail into her rooms' context",
+        m.mail_retired.clone(),
     );
     r.register(
         "process_evictions",

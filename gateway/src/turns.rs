@@ -230,6 +230,9 @@ struct StatusFile {
     /// Her spend has reached her daily cap: nothing that costs starts before it resumes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     over_budget: Option<OverBudget>,
+    /// Waiting lines retired from her mail into her rooms' context, in all.
+    #[serde(default)]
+    retired_lines: u64,
 }
 
 /// Her spend in the last 24 hours has reached her cap (`[persona.budget] usd_per_day`).
@@ -413,6 +416,7 @@ impl TurnLoop {
             previous_sessions: earlier.previous_sessions,
             last_error: None,
             over_budget: None,
+            retired_lines: earlier.retired_lines,
         };
         // Her spend in the last 24 hours, from her history (every billed record is there),
         // when she has a cap to hold it against (a new cap comes with a restart of her loop).
@@ -900,6 +904,7 @@ impl TurnLoop {
                 &self.rules,
                 self.shrink,
                 self.persona.session.max_batch,
+                self.persona.turns.bound(),
             );
             match step {
                 Step::Idle { recheck_at_ms } => {
@@ -910,6 +915,7 @@ impl TurnLoop {
                     return Ok(());
                 }
                 Step::OverBudget => return Ok(()),
+                Step::Retire { seqs } => self.retire(&seqs)?,
                 Step::Coalesce => {
                     // What came while the last turn ran, and comes just after, joins the next.
                     let mut stop = stop.clone();
@@ -952,6 +958,24 @@ impl TurnLoop {
                 }
             }
         }
+    }
+
+    /// Takes `seqs` out of her mail into her rooms' context (they stay in the timelines she
+    /// reads recent lines from), counted in her status and the metrics.
+    fn retire(&mut self, seqs: &[u64]) -> Result<(), TurnError> {
+        let r = self.inbox.retire(&self.persona.id, seqs)?;
+        if r.lines > 0 {
+            tracing::info!(persona = %self.persona.id, lines = r.lines, pending = r.pending, "waiting lines retired into her rooms' context (turns.waiting_lines / waiting_bytes)");
+            self.metrics
+                .mail_retired
+                .get_or_create(&crate::metrics::PersonaLabel {
+                    persona: self.persona.id.clone(),
+                })
+                .inc_by(r.lines);
+            self.status.retired_lines += r.lines;
+            self.save_status();
+        }
+        Ok(())
     }
 
     /// Applies an operator's verb (between turns) and answers it.

@@ -15,6 +15,8 @@
 //!   one-line, escaped, capped names and ids, event ids checked, every line break indented.
 //! - [`turn`]: what her turn loop does next with her pending mail (a pure state machine: what it
 //!   sees in, the step out), and what a batch refused as too long leaves for the next turn.
+//! - [`waiting`]: what of her waiting mail stays mail: a bound per public room, and room for
+//!   the line that starts a turn in its batch; the rest is retired into the rooms' context.
 //! - [`attempt`]: how one turn runs once its batch is chosen (a pure state machine: what the
 //!   edge knows and each action's result in, the next action out): the policy's fresh start
 //!   or compaction, the text sent, a dead process replaced, a refusal as too long, an API error.
@@ -39,3 +41,4 @@ pub mod proto;
 pub mod render;
 pub mod turn;
 pub mod untrusted;
+pub mod waiting;

@@ -9,6 +9,9 @@
 //!   taken again whole, whatever her rules say now: it was admitted before;
 //! - otherwise her `[persona.turns]` rules ([`crate::admission`]) decide whether her mail
 //!   starts a turn, except for the first turn of a drain her Minds asked for;
+//! - waiting mail past its room's bound, and unaddressed lines that would keep a turn's batch
+//!   from reaching the line that started it, are retired first ([`Step::Retire`],
+//!   [`crate::waiting`]);
 //! - between two turns of one drain, new mail is coalesced first ([`Step::Coalesce`]);
 //! - over her budget, nothing that costs starts ([`Step::OverBudget`]), a retry neither;
 //! - with no mail, a note that asked for a turn gets one of its own;
@@ -19,6 +22,7 @@ use wire::docs::Delivery;
 
 use crate::admission::{Admission, Line, Rules, Verdict};
 use crate::render;
+use crate::waiting::{self, Bound};
 
 /// A message is not cut below this: a fresh session that cannot hold even this much has no
 /// room for mail at all (her doctrine and state fill the window).
@@ -57,7 +61,7 @@ pub struct Look<'a> {
 }
 
 /// What to do next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
     /// Nothing now: look again on new mail, or at `recheck_at_ms` (a sender's hour or the
     /// ambient interval running out).
@@ -67,6 +71,12 @@ pub enum Step {
     },
     /// Her mail would start a turn, but her spend has reached her cap: it waits.
     OverBudget,
+    /// Take these seqs out of her mail (they stay in their rooms' timelines, as context), then
+    /// look again.
+    Retire {
+        /// Their seqs, in order.
+        seqs: Vec<u64>,
+    },
     /// Wait out the debounce (new mail coalesces), then look again.
     Coalesce,
     /// A turn on notes alone.
@@ -112,7 +122,7 @@ impl Drain {
     }
 
     /// What to do with `look`, given her rules and what they remember, the shrink a batch
-    /// refused as too long left, and her `max_batch`.
+    /// refused as too long left, her `max_batch` and the bound on a room's waiting mail.
     pub fn next(
         &mut self,
         look: &Look<'_>,
@@ -120,6 +130,7 @@ impl Drain {
         rules: &Rules,
         shrink: Option<Shrink>,
         max_batch: usize,
+        bound: Bound,
     ) -> Step {
         let Some(head) = look.pending.first() else {
             return match (look.wake_note, look.over_budget) {
@@ -131,6 +142,12 @@ impl Drain {
             };
         };
         let retry = look.inflight.is_some_and(|(first, _)| head.seq == first);
+        if !retry {
+            let seqs = waiting::overflow(look.pending, look.lines, bound);
+            if !seqs.is_empty() {
+                return Step::Retire { seqs };
+            }
+        }
         let mut trigger = None;
         if !retry && !self.forced {
             match admission.decide(rules, look.lines, look.now_ms) {
@@ -139,6 +156,10 @@ impl Drain {
                     trigger: i,
                     ambient,
                 } => {
+                    let seqs = waiting::reach(look.pending, look.lines, i, max_batch);
+                    if !seqs.is_empty() {
+                        return Step::Retire { seqs };
+                    }
                     trigger = look.pending.get(i).map(|d| (d.seq, ambient));
                 }
             }
@@ -234,6 +255,10 @@ mod tests {
     }
 
     const MAX: usize = 20;
+    const B: Bound = Bound {
+        lines: 100,
+        bytes: usize::MAX,
+    };
 
     #[test]
     fn no_mail_is_idle_unless_a_note_asks_for_a_turn() {
@@ -241,7 +266,7 @@ mod tests {
         let mut d = Drain::new(false);
         let none = look(&[], &[]);
         assert_eq!(
-            d.next(&none, &a, &r, None, MAX),
+            d.next(&none, &a, &r, None, MAX, B),
             Step::Idle {
                 recheck_at_ms: None
             }
@@ -250,12 +275,12 @@ mod tests {
             wake_note: true,
             ..none
         };
-        assert_eq!(d.next(&wake, &a, &r, None, MAX), Step::Notes);
+        assert_eq!(d.next(&wake, &a, &r, None, MAX, B), Step::Notes);
         let broke = Look {
             over_budget: true,
             ..wake
         };
-        assert_eq!(d.next(&broke, &a, &r, None, MAX), Step::OverBudget);
+        assert_eq!(d.next(&broke, &a, &r, None, MAX, B), Step::OverBudget);
     }
 
     #[test]
@@ -265,12 +290,12 @@ mod tests {
         let quiet = lines(&pending, false);
         let mut d = Drain::new(false);
         assert!(matches!(
-            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX, B),
             Step::Idle { .. }
         ));
         let asked = lines(&pending, true);
         assert_eq!(
-            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            d.next(&look(&pending, &asked), &a, &r, None, MAX, B),
             Step::Turn {
                 take: 3,
                 retry: false,
@@ -280,19 +305,19 @@ mod tests {
         );
         // The next turn of this drain waits for the mail to settle, once.
         assert_eq!(
-            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            d.next(&look(&pending, &asked), &a, &r, None, MAX, B),
             Step::Coalesce
         );
         d.coalesced();
         assert!(matches!(
-            d.next(&look(&pending, &asked), &a, &r, None, MAX),
+            d.next(&look(&pending, &asked), &a, &r, None, MAX, B),
             Step::Turn { .. }
         ));
         // A batch takes at most max_batch.
         let many = mail(1..=30);
         let many_lines = lines(&many, true);
         assert!(matches!(
-            Drain::new(false).next(&look(&many, &many_lines), &a, &r, None, MAX),
+            Drain::new(false).next(&look(&many, &many_lines), &a, &r, None, MAX, B),
             Step::Turn { take: 20, .. }
         ));
     }
@@ -305,7 +330,7 @@ mod tests {
         // Her Minds asked: one turn, no trigger to book; then her rules again.
         let mut d = Drain::new(true);
         assert_eq!(
-            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX, B),
             Step::Turn {
                 take: 6,
                 retry: false,
@@ -314,7 +339,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            d.next(&look(&pending, &quiet), &a, &r, None, MAX),
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX, B),
             Step::Idle { .. }
         ));
         // The batch in flight at a crash is taken again whole, admitted or not.
@@ -323,7 +348,7 @@ mod tests {
             ..look(&pending, &quiet)
         };
         assert_eq!(
-            Drain::new(false).next(&inflight, &a, &r, None, MAX),
+            Drain::new(false).next(&inflight, &a, &r, None, MAX, B),
             Step::Turn {
                 take: 3,
                 retry: true,
@@ -337,7 +362,7 @@ mod tests {
             ..look(&pending, &quiet)
         };
         assert!(matches!(
-            Drain::new(false).next(&stale, &a, &r, None, MAX),
+            Drain::new(false).next(&stale, &a, &r, None, MAX, B),
             Step::Idle { .. }
         ));
         // Over budget nothing starts, a retry neither.
@@ -346,8 +371,76 @@ mod tests {
             ..inflight
         };
         assert_eq!(
-            Drain::new(true).next(&broke, &a, &r, None, MAX),
+            Drain::new(true).next(&broke, &a, &r, None, MAX, B),
             Step::OverBudget
+        );
+    }
+
+    #[test]
+    fn a_busy_room_is_retired_past_its_bound_before_anything_else() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let pending = mail(1..=30);
+        let quiet = lines(&pending, false);
+        let bound = Bound {
+            lines: 20,
+            bytes: usize::MAX,
+        };
+        let mut d = Drain::new(false);
+        assert_eq!(
+            d.next(&look(&pending, &quiet), &a, &r, None, MAX, bound),
+            Step::Retire {
+                seqs: (1..=10).collect()
+            }
+        );
+        // Retired, the rest waits as before.
+        assert!(matches!(
+            d.next(
+                &look(&pending[10..], &quiet[10..]),
+                &a,
+                &r,
+                None,
+                MAX,
+                bound
+            ),
+            Step::Idle { .. }
+        ));
+        // The batch in flight at a crash is taken again whole, bound or not.
+        let inflight = Look {
+            inflight: Some((1, 20)),
+            ..look(&pending, &quiet)
+        };
+        assert!(matches!(
+            Drain::new(false).next(&inflight, &a, &r, None, MAX, bound),
+            Step::Turn {
+                take: 20,
+                retry: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_line_that_starts_a_turn_is_in_its_batch() {
+        let (a, r) = (Admission::default(), Rules::default());
+        let pending = mail(1..=25);
+        let mut asked = lines(&pending, false);
+        asked[24].addressed = true;
+        let mut d = Drain::new(false);
+        // Five unaddressed lines make room for the trigger at index 24.
+        assert_eq!(
+            d.next(&look(&pending, &asked), &a, &r, None, MAX, B),
+            Step::Retire {
+                seqs: (1..=5).collect()
+            }
+        );
+        assert_eq!(
+            d.next(&look(&pending[5..], &asked[5..]), &a, &r, None, MAX, B),
+            Step::Turn {
+                take: 20,
+                retry: false,
+                trigger: Some((25, false)),
+                cut: None
+            }
         );
     }
 
@@ -360,7 +453,7 @@ mod tests {
         let half = after_too_long(&pending, None);
         assert_eq!(half, Some(Shrink::Deliveries(2)));
         assert!(matches!(
-            Drain::new(false).next(&look(&pending, &asked), &a, &r, half, MAX),
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, half, MAX, B),
             Step::Turn { take: 2, .. }
         ));
         assert_eq!(
@@ -376,7 +469,7 @@ mod tests {
             })
         );
         assert_eq!(
-            Drain::new(false).next(&look(&pending, &asked), &a, &r, cut, MAX),
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, cut, MAX, B),
             Step::Turn {
                 take: 1,
                 retry: false,
@@ -401,7 +494,7 @@ mod tests {
             bytes: 2000,
         });
         assert!(matches!(
-            Drain::new(false).next(&look(&pending, &asked), &a, &r, other, MAX),
+            Drain::new(false).next(&look(&pending, &asked), &a, &r, other, MAX, B),
             Step::Turn {
                 take: 1,
                 cut: None,

@@ -274,7 +274,9 @@ impl GatewayProcess {
             .arg(config)
             .env(
                 "RUST_LOG",
-                "info,matrix_sdk=warn,matrix_sdk_crypto=error,matrix_sdk_base=warn",
+                std::env::var("CULTNET_TEST_LOG").unwrap_or_else(|_| {
+                    "info,matrix_sdk=warn,matrix_sdk_crypto=error,matrix_sdk_base=warn".to_owned()
+                }),
             )
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())

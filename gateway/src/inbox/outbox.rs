@@ -82,10 +82,11 @@ impl Inbox {
             ops.remove(k?);
         }
         ops.insert(key(persona, b"acked"), &through.to_be_bytes());
+        let holes = super::retire::holes_above(&self.retired_ranges(&st, persona)?, through);
         let after = Counts {
             highest: c.highest,
             acked_through: through,
-            pending: c.highest - through,
+            pending: (c.highest - through).saturating_sub(holes),
         };
         Ok((after, true))
     }

@@ -345,6 +345,7 @@ fn open_waits_for_a_lock_being_released_and_gives_up_on_one_that_is_not() {
 enum Op {
     Ingest(Vec<u8>),
     Ack(u8),
+    Retire(Vec<u8>),
     Reopen,
 }
 
@@ -352,6 +353,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => proptest::collection::vec(0u8..40, 0..8).prop_map(Op::Ingest),
         2 => (0u8..50).prop_map(Op::Ack),
+        2 => proptest::collection::vec(0u8..50, 0..6).prop_map(Op::Retire),
         1 => Just(Op::Reopen),
     ]
 }
@@ -359,7 +361,7 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
     /// Against a model: every event gets exactly one seq, seqs are dense and increasing,
-    /// nothing acknowledged reappears, nothing unacknowledged is lost, across reopenings.
+    /// nothing acknowledged or retired reappears, nothing else is lost, across reopenings.
     #[test]
     fn matches_the_model(ops in proptest::collection::vec(op(), 1..30)) {
         let path = dir("prop");
@@ -396,6 +398,14 @@ proptest! {
                         Err(InboxError::AckBeyondHighest { .. }) => prop_assert!(t >= next),
                         Err(e) => prop_assert!(false, "{e}"),
                     }
+                }
+                Op::Retire(seqs) => {
+                    let seqs: Vec<u64> = seqs.into_iter().map(u64::from).collect();
+                    let before = model.len();
+                    model.retain(|s, _| !seqs.contains(s));
+                    let r = inbox.retire("p", &seqs).unwrap();
+                    prop_assert_eq!(r.lines as usize, before - model.len());
+                    prop_assert_eq!(r.pending, model.len() as u64);
                 }
                 Op::Reopen => {
                     drop(inbox);

@@ -1,0 +1,307 @@
+//! Nothing a room does can silence her, end to end (`cultnet-gateway run`, a real Synapse, the
+//! real claude CLI against the mock Messages API), with her default turn rules:
+//! - a chatty member's lines meant for no one never fill her inbox: past her room's bound they
+//!   are retired into context; her operator's DM invite is joined and his DM answered in one
+//!   turn, and the room's newest lines reach her next room turn;
+//! - a mouth-only Persona whose CultNet clients have not acknowledged her mail (her inbox at
+//!   `max_pending`) still joins her operator's DM and stores his lines, and her rooms wait on
+//!   the homeserver until acks free room.
+
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use gateway::client::Client;
+use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
+use tests::live::{client_block, live_section, open_dm, vera_live_in, wait_for_reply, with_turns};
+use tests::matrix::{add_metrics, scrape, user_client, GatewayProcess, Scene};
+use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
+use tests::synapse::Limits;
+use wire::docs::{ids, AckReceipt, AckRequest, PendingPage, PendingRequest};
+
+/// Her turns since ledger entry `from`: the mock's answered requests that are not a
+/// compaction's summary.
+fn turns_since(mock: &MockApi, from: usize) -> Vec<LedgerEntry> {
+    mock.ledger()[from..]
+        .iter()
+        .filter(|e| e.status == 200 && !e.is_summary())
+        .cloned()
+        .collect()
+}
+
+/// `name`, registered and joined to the room `alias`: that room as they see it.
+async fn member(scene: &Scene, name: &str, alias: &str) -> matrix_sdk::Room {
+    scene.hs.register(name, &format!("{name}-pw"));
+    let c = user_client(
+        &scene.url,
+        name,
+        &format!("{name}-pw"),
+        &scene.dir.join(name),
+    )
+    .await;
+    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from(alias).unwrap();
+    c.join_room_by_id_or_alias(&alias, &[]).await.unwrap()
+}
+
+/// The metric `name` for vera in a scrape of `gw`'s metrics (0 when absent).
+fn metric(gw: &GatewayProcess, name: &str) -> f64 {
+    scrape(gw.metrics_addr(), gw)
+        .get(&format!("cultnet_gateway_{name}{{persona=\"vera\"}}"))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+fn chat(text: &str) -> RoomMessageEventContent {
+    RoomMessageEventContent::text_plain(text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chatty_room_never_keeps_her_from_her_operator() {
+    let scene = Scene::new("live-chatty", Limits::Relaxed).await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // Her default turn rules; an inbox that 60 waiting lines would fill three times over.
+    let session = format!(
+        "{}\n[persona.limits]\nmax_pending = 30\n",
+        with_turns(&session, "")
+    );
+    let (room, config, gw) =
+        vera_live_in(&scene, "lv-chatty", &session, &["@ann:localhost"], "").await;
+    drop(gw);
+    add_metrics(&config, "127.0.0.1:0");
+    let gw = GatewayProcess::start(&config);
+    let bob = member(&scene, "bob", "#lv-chatty:localhost").await;
+    let _ = room;
+
+    for i in 1..=60 {
+        bob.send(chat(&format!("chatter {i:03} about lunch")))
+            .await
+            .unwrap();
+    }
+    // The lines reach her inbox and, past the room's bound, are retired into context.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&gw, "mail_retired_total") < 40.0 {
+        assert!(
+            Instant::now() < deadline,
+            "her waiting mail was never bounded; retired {}\nlog:\n{}",
+            metric(&gw, "mail_retired_total"),
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        turns_since(&mock, 0).is_empty(),
+        "lines meant for no one started a turn"
+    );
+
+    // Her operator opens a DM and speaks: she joins and answers in one turn.
+    let before = mock.ledger().len();
+    let dm = open_dm(&scene.ann, &gw).await;
+    dm.send(chat("Vera, are you there?")).await.unwrap();
+    let answer = "ann, you said \"Vera, are you there?\"";
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = tests::live::from_vera(&scene.ann, &dm).await;
+        if got.iter().any(|b| b.starts_with(answer)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "she never answered her operator's DM: {got:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let turns = turns_since(&mock, before);
+    assert_eq!(
+        turns.len(),
+        1,
+        "her operator's DM took more than one turn: {:#?}",
+        turns.iter().map(|t| &t.last_user_text).collect::<Vec<_>>()
+    );
+    assert!(turns[0].last_user_text.contains("Vera, are you there?"));
+
+    // Back in the room her operator asks her: the room's newest lines reach that turn, the
+    // oldest were retired past what she is shown.
+    let before = mock.ledger().len();
+    let lobby = scene
+        .ann
+        .get_room(bob.room_id())
+        .expect("ann is in the room");
+    lobby
+        .send(chat("Vera, what is bob on about?"))
+        .await
+        .unwrap();
+    let got = wait_for_reply(
+        &scene.ann,
+        &lobby,
+        &format!(
+            "ann, you said \"Vera, what is bob on about?\": heard, and answered here in {}.",
+            lobby.room_id()
+        ),
+        Duration::from_secs(90),
+    )
+    .await;
+    let turns = turns_since(&mock, before);
+    assert_eq!(turns.len(), 1, "one question, one turn: {got:?}");
+    let text = &turns[0].user_text;
+    for newest in ["chatter 060", "chatter 045"] {
+        assert!(
+            text.contains(newest),
+            "{newest} is not in her turn:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains("chatter 001"),
+        "the oldest line was not retired:\n{text}"
+    );
+    let status: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(scene.dir.join("state/personas/vera/status.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        status["retired_lines"].as_u64().unwrap_or(0) >= 40,
+        "{status}"
+    );
+}
+
+/// Mail through `after` for vera: a page of at most 100.
+async fn page(c: &mut Client, key: &str, after: u64) -> PendingPage {
+    c.request(
+        ids::PENDING_REQUEST,
+        key,
+        &PendingRequest {
+            persona: "vera".into(),
+            after_seq: after,
+            limit: Some(100),
+            reply_bytes: None,
+        },
+    )
+    .await
+    .expect("a page")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_inbox_still_takes_her_operators_dm() {
+    let scene = Scene::new("live-full", Limits::Relaxed).await;
+    let organ = SigningKey::from_bytes(&[21; 32]);
+    let extra = format!(
+        "\n[persona.limits]\nmax_pending = 10\n{}",
+        client_block("organ", &organ, &["vera"], &["pending", "ack", "status"])
+    );
+    // Mouth-only: her mail waits for a CultNet client's ack.
+    let (lobby, config, gw) =
+        vera_live_in(&scene, "lv-full", "", &["@ann:localhost"], &extra).await;
+    drop(gw);
+    add_metrics(&config, "127.0.0.1:0");
+    let gw = GatewayProcess::start(&config);
+    let bob = member(&scene, "bob", "#lv-full:localhost").await;
+    let _ = lobby;
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // Bob fills her inbox, one line per sync, past what it may hold.
+    for i in 1..=12 {
+        bob.send(chat(&format!("filler {i:02}"))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let p = page(
+            &mut c,
+            &format!("fill{}", deadline.elapsed().as_millis()),
+            0,
+        )
+        .await;
+        if p.pending_count >= 10 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "her inbox never filled: {p:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Held: more of bob's lines stay on the homeserver.
+    for i in 13..=15 {
+        bob.send(chat(&format!("filler {i:02}"))).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(metric(&gw, "sync_held_back") > 0.0 || gw.log().contains("her inbox is full"));
+
+    // Her operator's DM: joined, and his line stored though her inbox is full.
+    let dm = open_dm(&scene.ann, &gw).await;
+    dm.send(chat("Vera, the deploy is at noon")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let p = loop {
+        let p = page(&mut c, &format!("dm{}", deadline.elapsed().as_millis()), 0).await;
+        if p.deliveries
+            .iter()
+            .any(|d| d.text == "Vera, the deploy is at noon")
+        {
+            break p;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "her operator's DM never reached her full inbox: {p:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        !p.deliveries.iter().any(|d| d.text == "filler 15"),
+        "her rooms were not held back while her inbox was full"
+    );
+
+    // Acks free room: the room's lines held on the homeserver come, once each.
+    let ack: AckReceipt = c
+        .request(
+            ids::ACK_REQUEST,
+            "ack1",
+            &AckRequest {
+                persona: "vera".into(),
+                through_seq: p.through_seq,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ack.pending_count, 0, "{ack:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rest = loop {
+        let p = page(
+            &mut c,
+            &format!("rest{}", deadline.elapsed().as_millis()),
+            p.through_seq,
+        )
+        .await;
+        if p.deliveries.iter().any(|d| d.text == "filler 15") {
+            break p;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the held lines never came: {p:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let texts: Vec<&str> = rest.deliveries.iter().map(|d| d.text.as_str()).collect();
+    assert_eq!(
+        texts
+            .iter()
+            .filter(|t| **t == "Vera, the deploy is at noon")
+            .count(),
+        0,
+        "her operator's DM came twice: {texts:?}"
+    );
+    for i in 13..=15 {
+        let line = format!("filler {i:02}");
+        assert_eq!(
+            texts.iter().filter(|t| **t == line).count(),
+            1,
+            "{line}: {texts:?}"
+        );
+    }
+    c.close().await;
+}
