@@ -17,6 +17,8 @@
 //!   note of each replacing kind ([`notes`])
 //! - `o` persona, seq -> her replies' extension fields waiting for a client ([`outbox`])
 //! - `m` persona, `retired` -> seqs taken out of her mail into context ([`retire`])
+//! - `a` persona, first seq -> a batch set aside after the model API kept refusing it
+//!   ([`aside`])
 //!
 //! and a tree `receipts`: persona, request id -> when it was stored and the send receipt (kept
 //! for the retention, [`Inbox::prune`]).
@@ -1002,12 +1004,14 @@ impl Inbox {
     }
 }
 
+pub mod aside;
 pub mod compact;
 pub mod notes;
 pub mod outbox;
 pub mod retention;
 pub mod retire;
 
+pub use aside::SetAside;
 pub use compact::{CompactWhen, Compacted};
 pub use notes::{Note, NotePut};
 pub use outbox::{ExtensionPage, TurnCommit};

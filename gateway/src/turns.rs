@@ -233,6 +233,9 @@ struct StatusFile {
     /// Waiting lines retired from her mail into her rooms' context, in all.
     #[serde(default)]
     retired_lines: u64,
+    /// Her batches set aside (the model API kept refusing them), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    set_aside: Vec<wire::docs::SetAsideBatch>,
 }
 
 /// Her spend in the last 24 hours has reached her cap (`[persona.budget] usd_per_day`).
@@ -296,6 +299,14 @@ pub struct TurnLoop {
     failed: Option<ApiFailure>,
     /// After a batch that no session could hold: how much of it the next turn takes.
     shrink: Option<Shrink>,
+    /// What failed turns on her oldest batch left: degraded next, or counted towards its
+    /// being set aside.
+    trouble: Option<session::turn::Trouble>,
+    /// The turn being composed shows its batch degraded (media as descriptions).
+    degrade: bool,
+    /// Set-aside batches the turn being composed tells her of (marked told once it goes
+    /// through).
+    telling: Vec<u64>,
     /// What she was billed in the last 24 hours, against her daily cap.
     spend: session::budget::Spend,
     /// Who started her turns lately, by her `[persona.turns]` rules (stored).
@@ -343,6 +354,39 @@ fn cut(d: &mut Delivery, bytes: usize) {
         "\n[cut by the gateway: the first {at} of its {whole} bytes; the whole message does not fit your context window]"
     ));
     d.truncated = true;
+}
+
+/// A message's text in a degraded batch (after the model API refused the batch whole): at most
+/// this many bytes.
+const DEGRADED_BYTES: usize = 2048;
+
+/// `d` as a degraded batch shows it: its text cut to [`DEGRADED_BYTES`], saying so.
+fn degrade(d: &mut Delivery) {
+    let whole = d.text.len();
+    if whole <= DEGRADED_BYTES {
+        return;
+    }
+    let at = crate::event::truncate_text(&mut d.text, DEGRADED_BYTES);
+    d.text.push_str(&format!(
+        "\n[cut by the gateway: the first {at} of its {whole} bytes; the model API refused this batch whole]"
+    ));
+    d.truncated = true;
+}
+
+/// How a failed turn bears on its batch ([`session::turn::Trouble`]).
+fn fault_of(e: &TurnError) -> session::turn::Fault {
+    use session::turn::Fault;
+    match e {
+        TurnError::Api(Some(s)) if (400..500).contains(s) && *s != 401 && *s != 429 => {
+            Fault::Refused
+        }
+        TurnError::TooLong { .. } => Fault::Refused,
+        TurnError::Api(_) | TurnError::Cli(_) => Fault::Failed,
+        TurnError::Unauthorized
+        | TurnError::Credential(_)
+        | TurnError::Inbox(_)
+        | TurnError::Send { .. } => Fault::Elsewhere,
+    }
 }
 
 /// A turn the model API failed on after the CLI's own retries (or interrupted past its
@@ -417,6 +461,7 @@ impl TurnLoop {
             last_error: None,
             over_budget: None,
             retired_lines: earlier.retired_lines,
+            set_aside: Vec::new(),
         };
         // Her spend in the last 24 hours, from her history (every billed record is there),
         // when she has a cap to hold it against (a new cap comes with a restart of her loop).
@@ -471,6 +516,9 @@ impl TurnLoop {
             fired: None,
             failed,
             shrink: None,
+            trouble: None,
+            degrade: false,
+            telling: Vec::new(),
             spend,
             admission,
             rules: persona.turns.rules(),
@@ -924,19 +972,29 @@ impl TurnLoop {
                     }
                     drain.coalesced();
                 }
-                Step::Notes => self.turn(&[]).await?,
+                Step::Notes => {
+                    self.degrade = false;
+                    self.turn(&[]).await?;
+                    self.told();
+                }
                 Step::Turn {
                     take,
                     retry,
                     trigger,
                     cut: to,
                 } => {
-                    let mut batch: Vec<Delivery> = page.deliveries[..take].to_vec();
+                    let whole = &page.deliveries[..take];
+                    let mut batch: Vec<Delivery> = whole.to_vec();
                     if !retry {
                         self.book_start(&batch, trigger);
                     }
                     if let (Some(bytes), Some(d)) = (to, batch.first_mut()) {
                         cut(d, bytes);
+                    }
+                    let first = batch.first().map_or(0, |d| d.seq);
+                    self.degrade = session::turn::Trouble::degraded(self.trouble, first);
+                    if self.degrade {
+                        batch.iter_mut().for_each(degrade);
                     }
                     match self.turn(&batch).await {
                         // Nothing of it was shown to her: take less, in a new session (the
@@ -946,17 +1004,95 @@ impl TurnLoop {
                             tracing::warn!(persona = %id, error = %e, ?shrink, "batch too long for a fresh session; taking less");
                             self.fresh_start("the batch does not fit her context window")?;
                             if shrink.is_none() {
-                                return Err(e);
+                                self.shrink = None;
+                                self.after_failure(whole, e)?;
+                            } else {
+                                self.shrink = shrink;
                             }
-                            self.shrink = shrink;
                         }
-                        r => {
-                            r?;
+                        Ok(()) => {
                             self.shrink = None;
+                            self.trouble = None;
+                            self.told();
                         }
+                        Err(e) => self.after_failure(whole, e)?,
                     }
                 }
             }
+        }
+    }
+
+    /// After a turn on `batch` (as stored) failed with `e`, by [`session::turn::Trouble`]:
+    /// retried (the error goes up, for the loop's backoff), tried degraded in a fresh session,
+    /// or set aside (and the drain goes on with later mail).
+    fn after_failure(&mut self, batch: &[Delivery], e: TurnError) -> Result<(), TurnError> {
+        use session::turn::{Fault, Next, Trouble};
+        let first = batch.first().map_or(0, |d| d.seq);
+        let fault = fault_of(&e);
+        let (trouble, next) = Trouble::after(self.trouble, first, fault);
+        self.trouble = trouble;
+        match next {
+            Next::Retry => Err(e),
+            Next::Degrade => {
+                tracing::warn!(persona = %self.persona.id, error = %e, first, "the model API refused her batch: it is tried once more degraded (media as descriptions, long messages cut) in a fresh session");
+                // The refused message sits in her session's transcript: a resume sends it again.
+                self.fresh_start("the model API refused her batch")?;
+                Err(e)
+            }
+            Next::SetAside => {
+                let why = e.to_string();
+                let counts =
+                    self.inbox
+                        .set_aside(&self.persona.id, batch, &why, crate::clock::unix_ms())?;
+                tracing::error!(persona = %self.persona.id, first, messages = batch.len(), why = %why, pending = counts.pending, "batch set aside: later mail flows; `client session retry|drop --batch {first}` puts it back or drops it");
+                self.metrics
+                    .turns
+                    .get_or_create(&crate::metrics::OutcomeLabels {
+                        persona: self.persona.id.clone(),
+                        outcome: "set_aside".to_owned(),
+                    })
+                    .inc();
+                if fault == Fault::Refused {
+                    // What was refused is in her transcript still.
+                    self.fresh_start("her batch was set aside after a refusal")?;
+                }
+                self.set_failed(None);
+                self.degrade = false;
+                self.refresh_set_aside();
+                Ok(())
+            }
+        }
+    }
+
+    /// Her set-aside batches as her status shows them, read again from the inbox.
+    fn refresh_set_aside(&mut self) {
+        match self.inbox.set_aside_list(&self.persona.id) {
+            Ok(list) => {
+                self.status.set_aside = list
+                    .iter()
+                    .map(|a| wire::docs::SetAsideBatch {
+                        batch: a.id,
+                        messages: a.deliveries.len() as u64,
+                        why: a.why.clone(),
+                        at_ms: a.at_ms,
+                    })
+                    .collect();
+                self.save_status();
+            }
+            Err(e) => {
+                tracing::warn!(persona = %self.persona.id, error = %e, "her set-aside batches cannot be read")
+            }
+        }
+    }
+
+    /// A turn went through: the set-aside batches it told her of are told.
+    fn told(&mut self) {
+        let ids = std::mem::take(&mut self.telling);
+        if ids.is_empty() {
+            return;
+        }
+        if let Err(e) = self.inbox.set_aside_told(&self.persona.id, &ids) {
+            tracing::warn!(persona = %self.persona.id, error = %e, "set-aside batches not marked told; she is told again");
         }
     }
 
@@ -1036,11 +1172,42 @@ impl TurnLoop {
                 }
                 _ => Err("a model switch needs a model name (1 to 128 bytes)".to_owned()),
             },
+            ControlAction::Retry | ControlAction::Drop => match c.request.batch {
+                None => Err("retry and drop name a set-aside batch (--batch ID)".to_owned()),
+                Some(batch) => {
+                    let id = &self.persona.id;
+                    let done = if action == ControlAction::Retry {
+                        self.inbox.retry_set_aside(id, batch).map(|s| s.is_some())
+                    } else {
+                        self.inbox.drop_set_aside(id, batch)
+                    };
+                    match done {
+                        Ok(true) => {
+                            tracing::info!(persona = %id, batch, ?action, "set-aside batch");
+                            if action == ControlAction::Retry {
+                                self.signals.mail.notify_one();
+                            }
+                            Ok(())
+                        }
+                        Ok(false) => Err(format!("she has no set-aside batch {batch}")),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            },
             ControlAction::Unknown => Err("unknown session action".to_owned()),
         };
+        self.refresh_set_aside();
         let (status, error) = match result {
             Ok(()) => (Status::Ok, None),
-            Err(e) if action == ControlAction::Unknown || action == ControlAction::Model => {
+            Err(e)
+                if matches!(
+                    action,
+                    ControlAction::Unknown
+                        | ControlAction::Model
+                        | ControlAction::Retry
+                        | ControlAction::Drop
+                ) =>
+            {
                 (Status::Rejected, Some(e))
             }
             Err(e) => (Status::Failed, Some(e)),
@@ -1057,6 +1224,7 @@ impl TurnLoop {
             turns_total: self.status.turns_total,
             prefix_tokens: (self.telemetry.prefix_tokens > 0)
                 .then_some(self.telemetry.prefix_tokens),
+            set_aside: self.status.set_aside.clone(),
             error,
         };
         let _ = c.reply.send(receipt);
@@ -1523,6 +1691,36 @@ impl TurnLoop {
         if let Some(c) = &self.note {
             notes.push(Note::new("correction", c.clone()));
         }
+        self.telling.clear();
+        let aside = self
+            .inbox
+            .set_aside_list(&self.persona.id)
+            .unwrap_or_default();
+        // What was set aside is not shown again as context or recent lines either: the API
+        // refused it, and would refuse the turn that carried it.
+        for d in aside.iter().flat_map(|a| &a.deliveries) {
+            self.seen.insert(&d.event_id);
+        }
+        for a in aside.into_iter().filter(|a| !a.told) {
+            let rooms: std::collections::BTreeSet<String> = a
+                .deliveries
+                .iter()
+                .map(|d| {
+                    let room = d.room_alias.as_deref().unwrap_or(&d.room_id);
+                    format!("\"{}\"", session::untrusted::field(room, 128))
+                })
+                .collect();
+            notes.push(Note::new(
+                "set_aside",
+                format!(
+                    "{} message(s) from {} were set aside unanswered, and you have not seen them: {} Her operator may put them back or drop them.",
+                    a.deliveries.len(),
+                    rooms.into_iter().collect::<Vec<_>>().join(", "),
+                    a.why
+                ),
+            ));
+            self.telling.push(a.id);
+        }
         notes.extend(
             stored
                 .iter()
@@ -1712,16 +1910,22 @@ impl TurnLoop {
                 }
                 Action::Compose => {
                     seen_before.get_or_insert_with(|| self.seen.clone());
-                    // Her batch's images and text files, fetched (and decrypted) now.
-                    let media = crate::media::prepare(
-                        self.mouth.client(),
-                        &id,
-                        batch,
-                        &self.persona.limits,
-                    )
-                    .await;
-                    text = self.compose(&media.apply(batch), &stored);
-                    images = media.images;
+                    // Her batch's images and text files, fetched (and decrypted) now; a
+                    // degraded batch keeps their descriptions.
+                    if self.degrade {
+                        text = self.compose(batch, &stored);
+                        images = Vec::new();
+                    } else {
+                        let media = crate::media::prepare(
+                            self.mouth.client(),
+                            &id,
+                            batch,
+                            &self.persona.limits,
+                        )
+                        .await;
+                        text = self.compose(&media.apply(batch), &stored);
+                        images = media.images;
+                    }
                     carries_batch = true;
                     Event::Done
                 }

@@ -397,6 +397,7 @@ async fn a_stopping_gateway_answers_the_verb_in_flight_then_closes_with_the_reas
             persona: "mira".into(),
             action: ControlAction::Reset,
             model: None,
+            batch: None,
         };
         let receipt = ops
             .request::<_, ControlReceipt>(ids::CONTROL_REQUEST, "c1", &req)

@@ -16,7 +16,12 @@
 //! - over her budget, nothing that costs starts ([`Step::OverBudget`]), a retry neither;
 //! - with no mail, a note that asked for a turn gets one of its own;
 //! - a batch no session could hold is halved, and a message too long alone is cut to half its
-//!   text at a time, down to [`MIN_CUT_BYTES`].
+//!   text at a time, down to [`MIN_CUT_BYTES`];
+//! - no batch is retried forever ([`Trouble::after`]): one the API refuses for its content is
+//!   tried once more degraded (media as descriptions, long bodies cut, a fresh session), then
+//!   set aside; any other failure that may be the batch's is retried up to [`MAX_FAILURES`]
+//!   times, then set aside. What is not the batch's doing (her credential, a rate limit, the
+//!   homeserver, the inbox) is retried without counting.
 
 use wire::docs::Delivery;
 
@@ -215,9 +220,119 @@ pub fn after_too_long(batch: &[Delivery], shrink: Option<Shrink>) -> Option<Shri
     }
 }
 
+/// Failed turns on one batch before it is set aside (failures not its doing aside).
+pub const MAX_FAILURES: u32 = 6;
+
+/// How a turn failed, as far as the batch is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The model API refused the request for its content (a 4xx other than 401 and 429, or a
+    /// fresh session's refusal as too long with nothing smaller left to try).
+    Refused,
+    /// Something that may be the batch's doing (a server error, a CLI that kept dying).
+    Failed,
+    /// Not the batch's doing (her credential, a rate limit, the homeserver, the inbox): retried
+    /// without counting.
+    Elsewhere,
+}
+
+/// What the next turn does with a batch that failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Take it again as it is (after the loop's backoff).
+    Retry,
+    /// Take it again degraded, in a fresh session.
+    Degrade,
+    /// Set it aside: kept for her operator, out of her mail; later mail flows.
+    SetAside,
+}
+
+/// What failed turns on her oldest batch left (kept between turns by the edge).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Trouble {
+    /// The batch's first seq.
+    first: u64,
+    /// It is shown degraded.
+    degraded: bool,
+    /// Failures counted.
+    failed: u32,
+}
+
+impl Trouble {
+    /// Whether the batch starting at `first` is to be shown degraded.
+    pub fn degraded(trouble: Option<Trouble>, first: u64) -> bool {
+        trouble.is_some_and(|t| t.first == first && t.degraded)
+    }
+
+    /// After a turn on the batch starting at `first` failed with `fault`: what remains, and
+    /// what the next turn does. Trouble with another batch is forgotten. A turn on notes alone
+    /// (`first` 0) has nothing to set aside and is retried.
+    pub fn after(trouble: Option<Trouble>, first: u64, fault: Fault) -> (Option<Trouble>, Next) {
+        let mut t = trouble.filter(|t| t.first == first).unwrap_or(Trouble {
+            first,
+            ..Trouble::default()
+        });
+        let next = match fault {
+            _ if first == 0 => Next::Retry,
+            Fault::Elsewhere => Next::Retry,
+            Fault::Refused if !t.degraded => {
+                t.degraded = true;
+                Next::Degrade
+            }
+            Fault::Refused => Next::SetAside,
+            Fault::Failed => {
+                t.failed += 1;
+                if t.failed >= MAX_FAILURES {
+                    Next::SetAside
+                } else {
+                    Next::Retry
+                }
+            }
+        };
+        let kept = (next != Next::SetAside && first != 0).then_some(t);
+        (kept, next)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_batch_is_degraded_once_then_set_aside() {
+        let (t, next) = Trouble::after(None, 7, Fault::Refused);
+        assert_eq!(next, Next::Degrade);
+        assert!(Trouble::degraded(t, 7));
+        assert!(!Trouble::degraded(t, 8), "another batch is shown whole");
+        // Degraded and refused again: set aside, and nothing is left of it.
+        assert_eq!(Trouble::after(t, 7, Fault::Refused), (None, Next::SetAside));
+        // Failures elsewhere do not count, nor end the degradation.
+        let (t2, next) = Trouble::after(t, 7, Fault::Elsewhere);
+        assert_eq!((t2, next), (t, Next::Retry));
+    }
+
+    #[test]
+    fn other_failures_are_retried_up_to_the_ceiling() {
+        let mut t = None;
+        for _ in 1..MAX_FAILURES {
+            let (kept, next) = Trouble::after(t, 3, Fault::Failed);
+            assert_eq!(next, Next::Retry);
+            t = kept;
+        }
+        assert_eq!(Trouble::after(t, 3, Fault::Failed).1, Next::SetAside);
+        // A new batch starts counting afresh; a notes turn is only ever retried.
+        assert_eq!(Trouble::after(t, 9, Fault::Failed).1, Next::Retry);
+        for _ in 0..2 * MAX_FAILURES {
+            assert_eq!(Trouble::after(None, 0, Fault::Refused), (None, Next::Retry));
+        }
+        // Failures elsewhere never set a batch aside.
+        let mut t = None;
+        for _ in 0..10 * MAX_FAILURES {
+            let (kept, next) = Trouble::after(t, 3, Fault::Elsewhere);
+            assert_eq!(next, Next::Retry);
+            t = kept;
+        }
+    }
 
     fn mail(seqs: std::ops::RangeInclusive<u64>) -> Vec<Delivery> {
         seqs.map(|seq| Delivery {

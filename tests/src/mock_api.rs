@@ -15,6 +15,11 @@
 //!   [`MockConfig::model_prices`] names it). A fixed latency per answer on demand.
 //! - **Faults** on demand (HTTP 400 prompt too long, 529 overloaded, 500, delays), and a 400
 //!   when the prompt exceeds the context window.
+//! - **Refusals for content**, as the API refuses a request it will not take whatever is
+//!   retried: a request whose user text holds a string named with [`MockApi::refuse`] gets
+//!   HTTP 400 `invalid_request_error` every time; a request body over
+//!   [`MockConfig::max_request_bytes`] (32 MB, the API's limit) gets HTTP 413
+//!   `request_too_large`.
 //! - **Credentials**: with [`MockApi::accept_keys`] set, a request whose `x-api-key` (API key)
 //!   or `Authorization: Bearer` (OAuth token) is none of those keys gets HTTP 401
 //!   `authentication_error`, as the API answers a revoked key; the ledger records which kind
@@ -71,6 +76,8 @@ pub struct MockConfig {
     /// A compaction's summary is this share of the prompt it summarizes (in tokens), within
     /// [`SUMMARY_MIN_TOKENS`, `SUMMARY_MAX_TOKENS`]: a real summary grows with what it covers.
     pub summary_share: f64,
+    /// Request bodies larger than this get HTTP 413 `request_too_large`.
+    pub max_request_bytes: usize,
 }
 
 impl Default for MockConfig {
@@ -83,6 +90,7 @@ impl Default for MockConfig {
             responder: false,
             latency: Duration::ZERO,
             summary_share: 0.03,
+            max_request_bytes: 32 * 1000 * 1000,
         }
     }
 }
@@ -131,6 +139,8 @@ pub struct LedgerEntry {
     pub model: String,
     /// The images of the newest user message: media type and bytes.
     pub images: Vec<(String, Vec<u8>)>,
+    /// It asked for a stream (`"stream": true`).
+    pub stream: bool,
 }
 
 impl LedgerEntry {
@@ -156,6 +166,7 @@ struct State {
     faults: VecDeque<Fault>,
     script: VecDeque<Value>,
     keys: Vec<String>,
+    refuse: Vec<String>,
 }
 
 impl State {
@@ -169,6 +180,7 @@ impl State {
             faults: VecDeque::new(),
             script: VecDeque::new(),
             keys: Vec::new(),
+            refuse: Vec::new(),
         }
     }
 
@@ -235,6 +247,12 @@ impl MockApi {
         self.lock().keys = keys.iter().map(|k| (*k).to_owned()).collect();
     }
 
+    /// Refuses, from now on, every request whose user text holds `needle`: HTTP 400
+    /// `invalid_request_error`, as the API answers content it will not take.
+    pub fn refuse(&self, needle: &str) {
+        self.lock().refuse.push(needle.to_owned());
+    }
+
     /// Queues the `StructuredOutput` input of a coming reply.
     pub fn script(&self, input: Value) {
         self.lock().script.push_back(input);
@@ -289,6 +307,19 @@ async fn serve(mut stream: TcpStream, state: Arc<Mutex<State>>) -> std::io::Resu
             }
             body.extend_from_slice(&chunk[..n]);
         }
+    }
+    let max_body = state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .cfg
+        .max_request_bytes;
+    if body.len() > max_body {
+        return respond_json(
+            &mut stream,
+            413,
+            &json!({"type": "error", "error": {"type": "request_too_large", "message": "Request exceeds the maximum allowed number of bytes."}}),
+        )
+        .await;
     }
     if !head.starts_with("POST /v1/messages") {
         return respond_json(
@@ -391,8 +422,14 @@ fn answer(
     );
     let refused =
         !st.keys.is_empty() && credential.is_none_or(|(_, got)| !st.keys.iter().any(|k| k == got));
+    let content_refused = st.refuse.iter().any(|n| user_text.contains(n.as_str()));
     let error = match fault {
         _ if refused => Some((401, "authentication_error", "invalid x-api-key".to_owned())),
+        _ if content_refused => Some((
+            400,
+            "invalid_request_error",
+            "messages: the request's content was refused".to_owned(),
+        )),
         Some(Fault::PromptTooLong) => Some(too_long),
         Some(Fault::Overloaded) => Some((529, "overloaded_error", "Overloaded".to_owned())),
         Some(Fault::ServerError) => Some((500, "api_error", "Internal server error".to_owned())),
@@ -414,6 +451,7 @@ fn answer(
             auth,
             model,
             images,
+            stream: req["stream"].as_bool().unwrap_or(false),
         });
         return (delay, Answer::Error(status, kind, message));
     }
@@ -501,6 +539,7 @@ fn answer(
         auth,
         model,
         images,
+        stream: req["stream"].as_bool().unwrap_or(false),
     });
     (delay, Answer::Stream(events))
 }
@@ -748,6 +787,7 @@ async fn respond_json(stream: &mut TcpStream, status: u16, body: &Value) -> std:
     let text = body.to_string();
     let reason = match status {
         400 => "Bad Request",
+        413 => "Payload Too Large",
         401 => "Unauthorized",
         404 => "Not Found",
         500 => "Internal Server Error",

@@ -87,6 +87,7 @@ async fn reset(c: &mut Client) -> ControlReceipt {
             persona: "vera".into(),
             action: ControlAction::Reset,
             model: None,
+            batch: None,
         },
     )
     .await

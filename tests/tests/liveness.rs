@@ -5,7 +5,9 @@
 //!   turn, and the room's newest lines reach her next room turn;
 //! - a mouth-only Persona whose CultNet clients have not acknowledged her mail (her inbox at
 //!   `max_pending`) still joins her operator's DM and stores his lines, and her rooms wait on
-//!   the homeserver until acks free room.
+//!   the homeserver until acks free room;
+//! - a batch the API refuses for its content is tried once more degraded, then set aside; her
+//!   operator's next DM is answered, she is told, and the batch can be retried or dropped.
 
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,10 @@ use tests::live::{client_block, live_section, open_dm, vera_live_in, wait_for_re
 use tests::matrix::{add_metrics, scrape, user_client, GatewayProcess, Scene};
 use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
-use wire::docs::{ids, AckReceipt, AckRequest, PendingPage, PendingRequest};
+use wire::docs::{
+    ids, AckReceipt, AckRequest, ControlAction, ControlReceipt, ControlRequest, PendingPage,
+    PendingRequest, SetAsideBatch, Status,
+};
 
 /// Her turns since ledger entry `from`: the mock's answered requests that are not a
 /// compaction's summary.
@@ -303,5 +308,170 @@ async fn a_full_inbox_still_takes_her_operators_dm() {
             "{line}: {texts:?}"
         );
     }
+    c.close().await;
+}
+
+/// The CLI runs the API refused: the pinned CLI sends a refused request once more at once
+/// (fixtures/claude-cli-2.1.332/README.md), so refusals within a second are one run.
+fn refused_runs(mock: &MockApi) -> usize {
+    let mut runs = 0;
+    let mut last = f64::NEG_INFINITY;
+    for e in mock.ledger().iter().filter(|e| e.status == 400) {
+        if e.at - last > 1.0 {
+            runs += 1;
+        }
+        last = e.at;
+    }
+    runs
+}
+
+async fn control(
+    c: &mut Client,
+    key: &str,
+    action: ControlAction,
+    batch: Option<u64>,
+) -> ControlReceipt {
+    c.request(
+        ids::CONTROL_REQUEST,
+        key,
+        &ControlRequest {
+            persona: "vera".into(),
+            action,
+            model: None,
+            batch,
+        },
+    )
+    .await
+    .expect("a control receipt")
+}
+
+/// Waits until her status lists a set-aside batch; its id.
+async fn until_set_aside(c: &mut Client, gw: &GatewayProcess, n: usize) -> Vec<SetAsideBatch> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let r = control(
+            c,
+            &format!("st{}", deadline.elapsed().as_millis()),
+            ControlAction::Status,
+            None,
+        )
+        .await;
+        if r.set_aside.len() >= n {
+            return r.set_aside;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing was set aside: {r:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_flows() {
+    let scene = Scene::new("live-refused", Limits::Relaxed).await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let ops = SigningKey::from_bytes(&[22; 32]);
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let (lobby, _config, gw) = vera_live_in(
+        &scene,
+        "lv-refused",
+        &with_turns(&session, ""),
+        &["@ann:localhost"],
+        &client_block("ops", &ops, &["vera"], &["session", "status"]),
+    )
+    .await;
+    let mut c = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
+        .await
+        .unwrap();
+
+    // A line the API will not take, whatever is retried.
+    mock.refuse("UNTAKEABLE");
+    lobby
+        .send(chat("Vera, look at this: UNTAKEABLE"))
+        .await
+        .unwrap();
+    let aside = until_set_aside(&mut c, &gw, 1).await;
+    let runs = refused_runs(&mock);
+    assert_eq!(
+        runs,
+        2,
+        "refused once whole, once degraded, then no more\nlog:\n{}",
+        gw.log()
+    );
+    assert_eq!(aside[0].messages, 1, "{aside:?}");
+    let requests = mock.ledger().len();
+
+    // Her operator's next line is answered, and she is told what was set aside.
+    let dm = open_dm(&scene.ann, &gw).await;
+    dm.send(chat("Vera, are you there?")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let got = tests::live::from_vera(&scene.ann, &dm).await;
+        if got
+            .iter()
+            .any(|b| b.starts_with("ann, you said \"Vera, are you there?\""))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "her operator's DM was not answered after the set-aside batch: {got:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let turns = turns_since(&mock, requests);
+    assert_eq!(turns.len(), 1, "one turn for his DM");
+    assert!(
+        turns[0]
+            .last_user_text
+            .contains("were set aside unanswered"),
+        "she was not told: {}",
+        turns[0].last_user_text
+    );
+    assert!(
+        !turns[0].user_text.contains("UNTAKEABLE"),
+        "the refused line is in her session still"
+    );
+
+    // Retried, it is refused again and set aside again (under its new id); dropped, it is gone.
+    let r = control(&mut c, "retry", ControlAction::Retry, Some(aside[0].batch)).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let again = loop {
+        let r = control(
+            &mut c,
+            &format!("st2{}", deadline.elapsed().as_millis()),
+            ControlAction::Status,
+            None,
+        )
+        .await;
+        if r.set_aside.iter().any(|a| a.batch != aside[0].batch) {
+            break r.set_aside;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the retried batch never came back: {r:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(
+        refused_runs(&mock),
+        4,
+        "the retry was tried whole and degraded, no more"
+    );
+    let r = control(&mut c, "drop", ControlAction::Drop, Some(again[0].batch)).await;
+    assert_eq!((r.status, r.set_aside.len()), (Status::Ok, 0), "{r:?}");
+    let r = control(&mut c, "drop2", ControlAction::Drop, Some(again[0].batch)).await;
+    assert_eq!(r.status, Status::Rejected, "{r:?}");
     c.close().await;
 }

@@ -60,6 +60,7 @@ async fn control(
             persona: "vera".into(),
             action,
             model: model.map(str::to_owned),
+            batch: None,
         },
     )
     .await

@@ -296,8 +296,9 @@ mod tests {
                 ids::CONTROL_REQUEST,
                 j(serde_json::to_value(ControlRequest {
                     persona: "p".into(),
-                    action: ControlAction::Model,
+                    action: ControlAction::Retry,
                     model: Some("m".into()),
+                    batch: Some(4),
                 })),
             ),
             (
@@ -312,6 +313,12 @@ mod tests {
                     model: "m".into(),
                     turns_total: 2,
                     prefix_tokens: Some(3),
+                    set_aside: vec![crate::docs::SetAsideBatch {
+                        batch: 4,
+                        messages: 2,
+                        why: "HTTP 400".into(),
+                        at_ms: 5,
+                    }],
                     error: Some("e".into()),
                 })),
             ),

@@ -362,7 +362,8 @@ pub const REPLACING_NOTE_KINDS: [&str; 4] = ["state", "campaigns", "spend", "run
 /// Note kinds the gateway writes itself (a restart, a correction after a bad reply, a retry,
 /// a checkpoint before a compaction): a client's note may not use them, so no note from
 /// CultNet can pass for the gateway's own.
-pub const RESERVED_NOTE_KINDS: [&str; 4] = ["restart", "correction", "retry", "checkpoint"];
+pub const RESERVED_NOTE_KINDS: [&str; 5] =
+    ["restart", "correction", "retry", "checkpoint", "set_aside"];
 /// The most bytes of text one note may carry.
 pub const MAX_NOTE_BYTES: usize = 16 * 1024;
 /// The longest note id or kind.
@@ -462,6 +463,10 @@ pub enum ControlAction {
     Compact,
     /// Switch to `model` (a fresh session: the cache is per model); kept across restarts.
     Model,
+    /// Put the batch set aside as `batch` back into her mail (after what is pending).
+    Retry,
+    /// Drop the batch set aside as `batch` for good.
+    Drop,
     /// An action a newer gateway knows and this one does not.
     #[serde(other)]
     Unknown,
@@ -479,6 +484,24 @@ pub struct ControlRequest {
     /// The model, for `model`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The set-aside batch (its id), for `retry` and `drop`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<u64>,
+}
+
+/// A batch set aside because the model API kept refusing it (or it kept failing): kept, out of
+/// her mail, until her operator retries or drops it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SetAsideBatch {
+    /// Its id (the first seq it had), for `retry` and `drop`.
+    pub batch: u64,
+    /// Its messages.
+    pub messages: u64,
+    /// Why it was set aside.
+    pub why: String,
+    /// When (ms since the epoch).
+    pub at_ms: i64,
 }
 
 /// `bifrost.persona_session_control_receipt.v0`: her session after the action.
@@ -506,6 +529,9 @@ pub struct ControlReceipt {
     /// Prompt tokens of her last turn (what a compaction shrinks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_tokens: Option<u64>,
+    /// Her batches set aside, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub set_aside: Vec<SetAsideBatch>,
     /// Why, when not ok.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -139,6 +139,19 @@ pub(crate) enum SessionVerb {
         /// The model.
         name: String,
     },
+    /// Put a batch set aside (the model API kept refusing it) back into her mail, after what
+    /// is pending. `status` lists her set-aside batches.
+    Retry {
+        /// The batch's id (`setAside[].batch` in `status`).
+        #[arg(long)]
+        batch: u64,
+    },
+    /// Drop a set-aside batch for good.
+    Drop {
+        /// The batch's id (`setAside[].batch` in `status`).
+        #[arg(long)]
+        batch: u64,
+    },
 }
 
 /// Writes a new signing key (its seed, 64 hex digits, mode 0600) and prints the public key
@@ -374,11 +387,13 @@ pub(crate) fn run(
                 .await?,
             ),
             Ask::Session { persona, action } => {
-                let (action, model) = match action {
-                    SessionVerb::Status => (ControlAction::Status, None),
-                    SessionVerb::Reset => (ControlAction::Reset, None),
-                    SessionVerb::Compact => (ControlAction::Compact, None),
-                    SessionVerb::Model { name } => (ControlAction::Model, Some(name)),
+                let (action, model, batch) = match action {
+                    SessionVerb::Status => (ControlAction::Status, None, None),
+                    SessionVerb::Reset => (ControlAction::Reset, None, None),
+                    SessionVerb::Compact => (ControlAction::Compact, None, None),
+                    SessionVerb::Model { name } => (ControlAction::Model, Some(name), None),
+                    SessionVerb::Retry { batch } => (ControlAction::Retry, None, Some(batch)),
+                    SessionVerb::Drop { batch } => (ControlAction::Drop, None, Some(batch)),
                 };
                 json(
                     &c.request::<_, ControlReceipt>(
@@ -388,6 +403,7 @@ pub(crate) fn run(
                             persona,
                             action,
                             model,
+                            batch,
                         },
                     )
                     .await?,

@@ -1025,3 +1025,53 @@ fn the_extensions_watermark_only_moves_forward_under_concurrent_acks() {
     assert_eq!(page.pending_count, 0, "the watermark moved back");
     assert!(page.extensions.is_empty());
 }
+
+#[test]
+fn a_batch_set_aside_leaves_her_mail_and_comes_back_on_retry_with_new_seqs() {
+    let path = dir("aside");
+    let inbox = Inbox::open(&path).unwrap();
+    inbox
+        .ingest("p", "t1", &[d("$1", "a"), d("$2", "b"), d("$3", "c")])
+        .unwrap();
+    inbox
+        .set_session_value("p", "inflight", Some("1-2"))
+        .unwrap();
+    let page = inbox.pending("p", 0, 10, None).unwrap();
+    let c = inbox
+        .set_aside("p", &page.deliveries[..2], "HTTP 400", 5)
+        .unwrap();
+    assert_eq!((c.acked_through, c.pending), (2, 1));
+    assert_eq!(inbox.session_value("p", "inflight").unwrap(), None);
+    assert_eq!(seqs(&inbox.pending("p", 0, 10, None).unwrap()), vec![3]);
+    drop(inbox);
+    let inbox = Inbox::open(&path).unwrap();
+    let list = inbox.set_aside_list("p").unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(
+        (list[0].id, list[0].why.as_str(), list[0].told),
+        (1, "HTTP 400", false)
+    );
+    inbox.set_aside_told("p", &[1]).unwrap();
+    assert!(inbox.set_aside_list("p").unwrap()[0].told);
+    // Retried: after what is pending, with seqs never used before; a sync meanwhile is not
+    // disturbed.
+    assert_eq!(inbox.retry_set_aside("p", 1).unwrap(), Some(vec![4, 5]));
+    assert_eq!(inbox.ingest("p", "t2", &[d("$4", "d")]).unwrap(), vec![6]);
+    let page = inbox.pending("p", 0, 10, None).unwrap();
+    let texts: Vec<&str> = page.deliveries.iter().map(|d| d.text.as_str()).collect();
+    assert_eq!(
+        (seqs(&page), texts),
+        (vec![3, 4, 5, 6], vec!["c", "a", "b", "d"])
+    );
+    assert!(inbox.set_aside_list("p").unwrap().is_empty());
+    assert_eq!(inbox.retry_set_aside("p", 1).unwrap(), None);
+    // Dropped: gone for good.
+    let page = inbox.pending("p", 0, 1, None).unwrap();
+    inbox
+        .set_aside("p", &page.deliveries, "HTTP 413", 6)
+        .unwrap();
+    assert!(inbox.drop_set_aside("p", 3).unwrap());
+    assert!(!inbox.drop_set_aside("p", 3).unwrap());
+    assert!(inbox.set_aside_list("p").unwrap().is_empty());
+    assert_eq!(inbox.counts("p").unwrap().pending, 3);
+}

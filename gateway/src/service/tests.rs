@@ -659,6 +659,7 @@ fn session_verbs_reach_only_a_live_session() {
         persona: persona.into(),
         action: ControlAction::Reset,
         model: None,
+        batch: None,
     };
     let (_, _, r): (_, _, ControlReceipt) = receipt(
         &f.svc
@@ -926,6 +927,7 @@ fn acks_wait_for_one_flush_and_a_client_has_a_bounded_number_in_flight() {
         persona: "mira".into(),
         action: ControlAction::Compact,
         model: None,
+        batch: None,
     };
     let first = f
         .svc
@@ -1119,6 +1121,7 @@ async fn a_stopping_service_answers_what_is_in_flight_then_says_why() {
             persona: "mira".into(),
             action: ControlAction::Reset,
             model: None,
+            batch: None,
         };
         let receipt = ops
             .request::<_, ControlReceipt>(ids::CONTROL_REQUEST, "c1", &req)
