@@ -323,6 +323,9 @@ pub struct Turns {
     pub waiting_lines: usize,
     /// Bytes of text of those waiting lines one room keeps (its newest line always).
     pub waiting_bytes: usize,
+    /// Bytes of text a member's line not addressed to her shows in her batch (the rest is
+    /// cut, saying how much).
+    pub unaddressed_line_bytes: usize,
 }
 
 impl Default for Turns {
@@ -336,6 +339,7 @@ impl Default for Turns {
             bots: Vec::new(),
             waiting_lines: session::waiting::Bound::default().lines,
             waiting_bytes: session::waiting::Bound::default().bytes,
+            unaddressed_line_bytes: session::waiting::Bound::default().line_bytes,
         }
     }
 }
@@ -357,6 +361,7 @@ impl Turns {
         session::waiting::Bound {
             lines: self.waiting_lines,
             bytes: self.waiting_bytes,
+            line_bytes: self.unaddressed_line_bytes,
         }
     }
 }
@@ -881,6 +886,10 @@ impl Config {
                 ("limits.gap_fill_max", l.gap_fill_max),
                 ("turns.waiting_lines", p.turns.waiting_lines),
                 ("turns.waiting_bytes", p.turns.waiting_bytes),
+                (
+                    "turns.unaddressed_line_bytes",
+                    p.turns.unaddressed_line_bytes,
+                ),
             ] {
                 if v == 0 {
                     return Err(err(who, k, "must be greater than 0"));

@@ -345,13 +345,22 @@ fn said_at(now: Instant, now_ms: i64, said_ms: i64, floor: Option<Instant>) -> I
 
 /// `d`'s text cut to `bytes` (at a character boundary), saying so.
 fn cut(d: &mut Delivery, bytes: usize) {
+    cut_for(
+        d,
+        bytes,
+        "the whole message does not fit your context window",
+    );
+}
+
+/// `d`'s text cut to `bytes` (whole characters), saying how much it shows and `why`.
+fn cut_for(d: &mut Delivery, bytes: usize, why: &str) {
     let whole = d.text.len();
     if whole <= bytes {
         return;
     }
     let at = crate::event::truncate_text(&mut d.text, bytes);
     d.text.push_str(&format!(
-        "\n[cut by the gateway: the first {at} of its {whole} bytes; the whole message does not fit your context window]"
+        "\n[cut by the gateway: the first {at} of its {whole} bytes; {why}]"
     ));
     d.truncated = true;
 }
@@ -362,15 +371,7 @@ const DEGRADED_BYTES: usize = 2048;
 
 /// `d` as a degraded batch shows it: its text cut to [`DEGRADED_BYTES`], saying so.
 fn degrade(d: &mut Delivery) {
-    let whole = d.text.len();
-    if whole <= DEGRADED_BYTES {
-        return;
-    }
-    let at = crate::event::truncate_text(&mut d.text, DEGRADED_BYTES);
-    d.text.push_str(&format!(
-        "\n[cut by the gateway: the first {at} of its {whole} bytes; the model API refused this batch whole]"
-    ));
-    d.truncated = true;
+    cut_for(d, DEGRADED_BYTES, "the model API refused this batch whole");
 }
 
 /// How a failed turn bears on its batch ([`session::turn::Trouble`]).
@@ -990,6 +991,13 @@ impl TurnLoop {
                     }
                     if let (Some(bytes), Some(d)) = (to, batch.first_mut()) {
                         cut(d, bytes);
+                    }
+                    let bound = self.persona.turns.bound();
+                    let cuts = session::waiting::to_cut(&batch, &self.lines(whole), bound);
+                    for i in cuts {
+                        if let Some(d) = batch.get_mut(i) {
+                            cut_for(d, bound.line_bytes, "it was not meant for you");
+                        }
                     }
                     let first = batch.first().map_or(0, |d| d.seq);
                     self.degrade = session::turn::Trouble::degraded(self.trouble, first);

@@ -373,6 +373,7 @@ mod tests {
     const B: Bound = Bound {
         lines: 100,
         bytes: usize::MAX,
+        line_bytes: usize::MAX,
     };
 
     #[test]
@@ -499,6 +500,7 @@ mod tests {
         let bound = Bound {
             lines: 20,
             bytes: usize::MAX,
+            line_bytes: usize::MAX,
         };
         let mut d = Drain::new(false);
         assert_eq!(

@@ -14,7 +14,12 @@
 //!   When the unaddressed lines ahead of it would push it past `max_batch`, the oldest of them
 //!   are retired, so one addressed line buys one turn, not several.
 //!
-//! Her operators' lines and DM lines are never retired here: they are hers to answer.
+//! - **what a line that is not hers shows** ([`to_cut`]): a member's line in a turn's batch
+//!   that is not addressed to her shows at most [`Bound::line_bytes`] of its text, so a member's
+//!   long lines meant for no one cost what a short one does and never push her session towards
+//!   its window.
+//!
+//! Her operators' lines and DM lines are never retired or cut here: they are hers to answer.
 
 use wire::docs::Delivery;
 
@@ -28,6 +33,8 @@ pub struct Bound {
     pub lines: usize,
     /// Bytes of text kept per room (the newest line is kept whatever its size).
     pub bytes: usize,
+    /// Bytes of text a member's line not addressed to her shows in a batch.
+    pub line_bytes: usize,
 }
 
 impl Default for Bound {
@@ -36,6 +43,7 @@ impl Default for Bound {
         Self {
             lines: 20,
             bytes: 16 * 1024,
+            line_bytes: 2048,
         }
     }
 }
@@ -70,6 +78,18 @@ pub fn overflow(pending: &[Delivery], lines: &[Line<'_>], bound: Bound) -> Vec<u
     }
     out.reverse();
     out
+}
+
+/// The indices of `batch` (with `lines`, her rules' view of it) whose text is longer than a line
+/// not addressed to her may show: members' lines in public rooms, not addressed to her.
+pub fn to_cut(batch: &[Delivery], lines: &[Line<'_>], bound: Bound) -> Vec<usize> {
+    batch
+        .iter()
+        .zip(lines)
+        .enumerate()
+        .filter(|(_, (d, l))| boundable(d, l) && !l.addressed && d.text.len() > bound.line_bytes)
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// The seqs to retire so that a turn started by the line at `trigger` takes it. A batch is the
@@ -155,6 +175,7 @@ mod tests {
         let bound = Bound {
             lines: 20,
             bytes: 1 << 20,
+            ..Bound::default()
         };
         assert_eq!(
             overflow(&pending, &lines, bound),
@@ -187,6 +208,7 @@ mod tests {
         let bound = Bound {
             lines: 3,
             bytes: 1 << 20,
+            ..Bound::default()
         };
         // Room !a keeps its newest three of bob's; !b is within its bound.
         assert_eq!(overflow(&pending, &lines, bound), vec![2, 3]);
@@ -229,6 +251,22 @@ mod tests {
         with_dm.extend(pending.iter().skip(1).cloned());
         let lines = view(&with_dm, &[31], OP);
         assert!(reach(&with_dm, &lines, 30, 20).is_empty());
+    }
+
+    #[test]
+    fn only_a_members_long_line_not_meant_for_her_is_cut() {
+        let long = "w".repeat(5000);
+        let mut dm = mail(4, "!dm", "@bob:l", &long);
+        dm.is_direct = true;
+        let batch = vec![
+            mail(1, "!a", "@bob:l", &long),   // cut
+            mail(2, "!a", "@bob:l", &long),   // addressed: whole
+            mail(3, "!a", OP, &long),         // her operator's: whole
+            dm,                               // a DM: whole
+            mail(5, "!a", "@eve:l", "short"), // short: whole
+        ];
+        let lines = view(&batch, &[2], OP);
+        assert_eq!(to_cut(&batch, &lines, Bound::default()), vec![0]);
     }
 
     #[test]
@@ -275,7 +313,7 @@ mod tests {
                 .map(|(i, _)| i as u64 + 1)
                 .collect();
             let lines = view(&pending, &addressed, OP);
-            let bound = Bound { lines: max_lines, bytes: max_bytes };
+            let bound = Bound { lines: max_lines, bytes: max_bytes, ..Bound::default() };
             let out = overflow(&pending, &lines, bound);
             for room in ["!a", "!b"] {
                 let kept: Vec<&Delivery> = pending

@@ -475,3 +475,108 @@ async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_
     assert_eq!(r.status, Status::Rejected, "{r:?}");
     c.close().await;
 }
+
+/// Her status file.
+fn status_file(scene: &Scene) -> serde_json::Value {
+    serde_json::from_slice(
+        &std::fs::read(scene.dir.join("state/personas/vera/status.json")).unwrap_or_default(),
+    )
+    .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_lines_meant_for_no_one_cost_her_neither_dollars_nor_her_conversation() {
+    let scene = Scene::new("live-long", Limits::Relaxed).await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let (lobby, _config, gw) = vera_live_in(
+        &scene,
+        "lv-long",
+        &with_turns(&session, ""),
+        &["@ann:localhost"],
+        "",
+    )
+    .await;
+    let bob = member(&scene, "bob", "#lv-long:localhost").await;
+    let answer = |q: &str| {
+        format!(
+            "ann, you said \"{q}\": heard, and answered here in {}.",
+            lobby.room_id()
+        )
+    };
+    lobby.send(chat("Vera, good morning")).await.unwrap();
+    let got = wait_for_reply(
+        &scene.ann,
+        &lobby,
+        &answer("Vera, good morning"),
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(
+        got.contains(&answer("Vera, good morning")),
+        "{got:?}\nlog:\n{}",
+        gw.log()
+    );
+    let first = status_file(&scene);
+    let session_id = first["session_id"].as_str().expect("a session").to_owned();
+    let before = mock.ledger().len();
+    let first_prompt = mock.ledger().last().map_or(0, |e| e.prompt_tokens);
+
+    // Twenty lines of 60 KiB meant for no one (300,000 tokens by the mock's count: more than
+    // her window), then her operator asks.
+    for i in 1..=20 {
+        let line = format!("{i:02} {}", "blah ".repeat(60 * 1024 / 5));
+        bob.send(chat(&line)).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    lobby.send(chat("Vera, anything new?")).await.unwrap();
+    let got = wait_for_reply(
+        &scene.ann,
+        &lobby,
+        &answer("Vera, anything new?"),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(
+        got.contains(&answer("Vera, anything new?")),
+        "{got:?}\nlog:\n{}",
+        gw.log()
+    );
+
+    let after = &mock.ledger()[before..];
+    assert!(
+        after.iter().all(|e| !e.is_summary() && e.status == 200),
+        "a compaction or a refusal: {:?}",
+        after
+            .iter()
+            .map(|e| (e.status, e.is_summary()))
+            .collect::<Vec<_>>()
+    );
+    let now = status_file(&scene);
+    assert_eq!(
+        now["session_id"].as_str(),
+        Some(session_id.as_str()),
+        "her session changed"
+    );
+    assert_eq!(now["generation"], first["generation"], "a fresh start");
+    assert_eq!(now["compactions"].as_u64().unwrap_or(0), 0);
+    // What the turn added to her prompt: within what one room's waiting mail may show.
+    let turn = after.last().expect("her turn");
+    let added = turn.prompt_tokens.saturating_sub(first_prompt);
+    assert!(
+        added < 12_000,
+        "her turn added {added} tokens of prompt (billed input {} uncached, {} written)",
+        turn.usage.input,
+        turn.usage.cache_write_5m + turn.usage.cache_write_1h
+    );
+    assert!(
+        turn.last_user_text.contains("it was not meant for you"),
+        "{}",
+        &turn.last_user_text[..turn.last_user_text.len().min(2000)]
+    );
+}
