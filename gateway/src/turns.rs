@@ -2097,6 +2097,10 @@ impl TurnLoop {
         let id = self.persona.id.clone();
         let allowed = self.rooms_allowed(batch).await;
         let allowed_refs: Vec<&str> = allowed.iter().map(String::as_str).collect();
+        // Her replies, edits and reactions name lines of this batch's conversation only: a
+        // public turn does not quote or react in a DM, nor a DM's turn in a room.
+        let lines = self.conversation_lines(batch, lines).await;
+        let lines = lines.as_slice();
         let mut kept = false;
         let (says, extensions, outcome) = match self.schema.validate(output, &allowed_refs) {
             Ok(reply) => {
@@ -2279,6 +2283,40 @@ impl TurnLoop {
                 (room, lines)
             })
             .collect()
+    }
+
+    /// Of `lines` (her rooms' timelines), those of `batch`'s conversation: its one DM room, or
+    /// her rooms that are not DMs.
+    async fn conversation_lines(
+        &self,
+        batch: &[Delivery],
+        lines: &[(String, Vec<wire::docs::ContextLine>)],
+    ) -> Vec<(String, Vec<wire::docs::ContextLine>)> {
+        let dm = batch
+            .first()
+            .filter(|d| d.is_direct)
+            .map(|d| d.room_id.as_str());
+        let mut out = Vec::new();
+        for (room, l) in lines {
+            let keep = match dm {
+                Some(dm) => room == dm,
+                None => {
+                    let direct = match matrix_sdk::ruma::OwnedRoomId::try_from(room.as_str())
+                        .ok()
+                        .and_then(|r| self.mouth.client().get_room(&r))
+                    {
+                        Some(r) => r.is_direct().await.unwrap_or(true),
+                        // A room she no longer knows: its lines are not this conversation's.
+                        None => true,
+                    };
+                    !direct
+                }
+            };
+            if keep {
+                out.push((room.clone(), l.clone()));
+            }
+        }
+        out
     }
 
     /// The latest note of each replacing kind (or her `state_file` while no `state` note came)

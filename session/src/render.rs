@@ -364,26 +364,50 @@ fn context_line(c: &ContextLine) -> String {
 /// What a say's `threadRoot` names to send in the room's main timeline.
 pub const MAIN_TIMELINE: &str = "main";
 
-/// The thread a say to `room` (its id or alias) answers in when it names none: the thread of
-/// the newest line of that room in `batch` addressed to her, if that line is in one. So her
-/// answer to a line written in a thread stays in the thread, as people expect.
-pub fn answered_thread<'a>(batch: &'a [Delivery], room: &str) -> Option<&'a str> {
+/// The room id `room` (an id, or an alias of a room in `batch`) names.
+fn room_id_of<'a>(room: &'a str, batch: &'a [Delivery]) -> &'a str {
     batch
         .iter()
-        .rev()
-        .find(|d| d.to_you && (d.room_id == room || d.room_alias.as_deref() == Some(room)))?
-        .thread_root
-        .as_deref()
-        .and_then(untrusted::event_id)
+        .find(|d| d.room_alias.as_deref() == Some(room))
+        .map_or(room, |d| d.room_id.as_str())
 }
 
-/// The thread a say goes to: the one it names, none for [`MAIN_TIMELINE`], and by default the
-/// one of the line it answers ([`answered_thread`]).
-pub fn say_thread<'a>(say: &'a Say, batch: &'a [Delivery]) -> Option<&'a str> {
-    match say.thread_root.as_deref() {
-        Some(MAIN_TIMELINE) => None,
-        Some(root) => Some(root),
-        None => answered_thread(batch, &say.room),
+/// The thread a say to `room` (its id or alias) answers in when it names none: the one thread
+/// that every line of `batch` in that room addressed to her sits in (the main timeline counts
+/// as one). Lines addressed to her in two threads, or in a thread and the main timeline, and
+/// she answers in the main timeline: one line with a thread of a member's choosing does not
+/// steer her answer to another.
+pub fn answered_thread<'a>(batch: &'a [Delivery], room: &str) -> Option<&'a str> {
+    let room = room_id_of(room, batch);
+    let mut threads = batch
+        .iter()
+        .filter(|d| (d.to_you || d.is_direct) && d.room_id == room)
+        .map(|d| d.thread_root.as_deref().and_then(untrusted::event_id));
+    let first = threads.next()?;
+    threads.all(|t| t == first).then_some(first).flatten()
+}
+
+/// The thread a say goes to: the one it names, none for [`MAIN_TIMELINE`]; by default the
+/// thread of the line it replies to (none when that line is not one of her batch's, whose
+/// threads she knows), or with no reply the one [`answered_thread`] finds.
+pub fn say_thread<'a>(
+    say: &'a Say,
+    batch: &'a [Delivery],
+    timelines: &'a [(String, Vec<ContextLine>)],
+) -> Option<&'a str> {
+    match (say.thread_root.as_deref(), say.reply_to.as_deref()) {
+        (Some(MAIN_TIMELINE), _) => None,
+        (Some(root), _) => Some(root),
+        (None, Some(reply)) => {
+            let cited = handle::resolve(reply, batch, timelines)?;
+            batch
+                .iter()
+                .find(|d| d.event_id == cited.event_id)?
+                .thread_root
+                .as_deref()
+                .and_then(untrusted::event_id)
+        }
+        (None, None) => answered_thread(batch, &say.room),
     }
 }
 
@@ -422,18 +446,20 @@ pub fn targets(
     me: &str,
 ) -> Result<Targets, TargetError> {
     let mut out = Targets::default();
+    let room = room_id_of(&say.room, batch);
+    // A line it names must be one she saw in the room it goes to.
     let event = |named: &str, out: &mut Targets| -> Option<String> {
-        if let Some(c) = handle::resolve(named, batch, timelines) {
-            return Some(c.event_id.to_owned());
+        match handle::resolve(named, batch, timelines) {
+            Some(c) if c.room_id == room => Some(c.event_id.to_owned()),
+            _ => {
+                out.unresolved.push(named.to_owned());
+                None
+            }
         }
-        if handle::is_handle(named) {
-            out.unresolved.push(named.to_owned());
-            return None;
-        }
-        untrusted::event_id(named).map(str::to_owned)
     };
     if let Some(h) = &say.replaces {
         let cited = handle::resolve(h, batch, timelines)
+            .filter(|c| c.room_id == room)
             .ok_or_else(|| TargetError::NothingToCorrect(h.clone()))?;
         if cited.sender != me {
             return Err(TargetError::NotHers(h.clone()));
@@ -441,7 +467,7 @@ pub fn targets(
         out.replaces = Some(cited.event_id.to_owned());
         return Ok(out);
     }
-    out.thread_root = say_thread(say, batch).and_then(|r| event(r, &mut out));
+    out.thread_root = say_thread(say, batch, timelines).and_then(|r| event(r, &mut out));
     out.reply_to = say.reply_to.as_deref().and_then(|r| event(r, &mut out));
     Ok(out)
 }
@@ -462,15 +488,15 @@ pub fn has_word(hay: &str, needle: &str) -> bool {
 
 /// The users a say of hers mentions, for its `m.mentions`: the sender of the line it replies
 /// to (found as [`targets`] finds it, also in her rooms' `timelines`), and everyone in `batch`
-/// (its senders, and those of its context lines) whose user id or display name it names as a
-/// word; never `me`, never the whole room. In the order first found, each once.
+/// (its senders, and those of its context lines) whose user id it writes, or whose display name
+/// it names as a word when that name can name them alone ([`pillable`]); never `me`, never the
+/// whole room. In the order first found, each once.
 pub fn mentioned(
     say: &Say,
     batch: &[Delivery],
     timelines: &[(String, Vec<ContextLine>)],
     me: &str,
 ) -> Vec<String> {
-    let people = people(batch);
     let mut out: Vec<String> = Vec::new();
     let mut add = |user: &str| {
         if user != me && !out.iter().any(|u| u == user) {
@@ -484,8 +510,9 @@ pub fn mentioned(
     {
         add(cited.sender);
     }
-    for (_, sender, name) in people {
-        if name.is_some_and(|n| names(&say.text, n)) || say.text.contains(sender) {
+    for (_, sender, name) in people(batch) {
+        let by_name = name.is_some_and(|n| pillable(batch, sender, n) && names(&say.text, n));
+        if by_name || say.text.contains(sender) {
             add(sender);
         }
     }
@@ -510,24 +537,193 @@ fn people(batch: &[Delivery]) -> impl Iterator<Item = (&str, &str, Option<&str>)
     })
 }
 
-/// Whether `text` names someone by display name `name` (two characters at least, a word).
+/// Words too common to be anyone's name in her text: a member whose display name is one of
+/// them is never pinged or pilled by it (she writes "the" and "all" without meaning anyone).
+const COMMON_WORDS: &[&str] = &[
+    "the",
+    "and",
+    "for",
+    "you",
+    "all",
+    "any",
+    "are",
+    "but",
+    "can",
+    "did",
+    "does",
+    "done",
+    "from",
+    "get",
+    "got",
+    "had",
+    "has",
+    "have",
+    "her",
+    "here",
+    "him",
+    "his",
+    "how",
+    "its",
+    "just",
+    "let",
+    "like",
+    "more",
+    "much",
+    "new",
+    "nice",
+    "nobody",
+    "not",
+    "now",
+    "off",
+    "okay",
+    "one",
+    "our",
+    "out",
+    "own",
+    "she",
+    "some",
+    "someone",
+    "that",
+    "their",
+    "them",
+    "then",
+    "there",
+    "these",
+    "they",
+    "this",
+    "those",
+    "too",
+    "two",
+    "use",
+    "user",
+    "very",
+    "was",
+    "way",
+    "well",
+    "were",
+    "what",
+    "when",
+    "where",
+    "which",
+    "who",
+    "why",
+    "will",
+    "with",
+    "would",
+    "yes",
+    "yet",
+    "your",
+    "about",
+    "after",
+    "again",
+    "also",
+    "back",
+    "been",
+    "before",
+    "being",
+    "both",
+    "could",
+    "each",
+    "even",
+    "every",
+    "everyone",
+    "first",
+    "good",
+    "great",
+    "into",
+    "know",
+    "last",
+    "make",
+    "many",
+    "may",
+    "most",
+    "must",
+    "need",
+    "never",
+    "next",
+    "only",
+    "other",
+    "over",
+    "people",
+    "please",
+    "really",
+    "right",
+    "room",
+    "said",
+    "same",
+    "say",
+    "see",
+    "should",
+    "since",
+    "still",
+    "sure",
+    "take",
+    "than",
+    "thanks",
+    "thank",
+    "thing",
+    "think",
+    "time",
+    "today",
+    "under",
+    "until",
+    "want",
+    "while",
+    "work",
+    "yeah",
+    "admin",
+    "bot",
+    "everybody",
+    "anyone",
+    "hello",
+    "hey",
+    "welcome",
+];
+
+/// Whether `name` can be anyone's name in her text: three characters at least, and not a
+/// common word.
+fn name_like(name: &str) -> bool {
+    let n = name.trim();
+    n.chars().count() >= 3 && !COMMON_WORDS.contains(&n.to_lowercase().as_str())
+}
+
+/// Whether `name` (the display name of `user`) may ping and pill them: [`name_like`], and no
+/// other member of `batch` with that name (a name two members share names neither; a reply
+/// names its line's sender all the same).
+fn pillable(batch: &[Delivery], user: &str, name: &str) -> bool {
+    let n = name.trim().to_lowercase();
+    name_like(name)
+        && !people(batch)
+            .any(|(_, u, other)| u != user && other.is_some_and(|o| o.trim().to_lowercase() == n))
+}
+
+/// Whether `text` names someone by display name `name` (a word).
 fn names(text: &str, name: &str) -> bool {
-    name.chars().count() >= 2 && has_word(text, name)
+    has_word(text, name)
 }
 
 /// The names a say of hers writes for the users it mentions (`mentioned`, what [`mentioned`]
 /// found), each with its user: what a client shows as a pill. A user named by id is pilled by
-/// id.
+/// id; by name only when the name can name them alone ([`pillable`]), or names the sender of
+/// the line it replies to.
 pub fn pills(say: &Say, batch: &[Delivery], mentioned: &[String]) -> Vec<(String, String)> {
+    let replied = say
+        .reply_to
+        .as_deref()
+        .and_then(|r| handle::resolve(r, batch, &[]))
+        .map(|c| c.sender);
     mentioned
         .iter()
         .filter_map(|user| {
             if say.text.contains(user.as_str()) {
                 return Some((user.clone(), user.clone()));
             }
+            let alone = |n: &str| {
+                pillable(batch, user, n) || (replied == Some(user.as_str()) && name_like(n))
+            };
             let name = people(batch)
                 .filter(|(_, u, _)| u == user)
-                .find_map(|(_, _, n)| n.filter(|n| names(&say.text, n)))?;
+                .find_map(|(_, _, n)| n.filter(|n| alone(n) && names(&say.text, n)))?;
             Some((user.clone(), name.to_owned()))
         })
         .collect()
@@ -1286,20 +1482,132 @@ mod tests {
             reply_to: None,
             replaces: None,
         };
-        // By id or alias: the thread of the newest line addressed to her there.
-        assert_eq!(say_thread(&say("!a", None), &batch), Some("$root"));
-        assert_eq!(say_thread(&say("#lobby:l", None), &batch), Some("$root"));
-        // Her line in another room was in no thread; "main" and a named thread are hers.
-        assert_eq!(say_thread(&say("!b", None), &batch), None);
-        assert_eq!(say_thread(&say("!a", Some(MAIN_TIMELINE)), &batch), None);
+        let none: &[(String, Vec<ContextLine>)] = &[];
+        // By id or alias: the thread of the line addressed to her there.
+        assert_eq!(say_thread(&say("!a", None), &batch, none), Some("$root"));
         assert_eq!(
-            say_thread(&say("!a", Some("$other")), &batch),
+            say_thread(&say("#lobby:l", None), &batch, none),
+            Some("$root")
+        );
+        // Her line in another room was in no thread; "main" and a named thread are hers.
+        assert_eq!(say_thread(&say("!b", None), &batch, none), None);
+        assert_eq!(
+            say_thread(&say("!a", Some(MAIN_TIMELINE)), &batch, none),
+            None
+        );
+        assert_eq!(
+            say_thread(&say("!a", Some("$other")), &batch, none),
             Some("$other")
         );
         // A relation target that is no event id is never answered into.
         let mut forged = batch[0].clone();
         forged.thread_root = Some("not an id".into());
         assert_eq!(answered_thread(&[forged], "!a"), None);
+    }
+
+    #[test]
+    fn a_member_cannot_steer_her_answer_into_a_thread_of_his_choosing() {
+        // Her operator asks in the main timeline; a member names her in a made-up thread.
+        let mut op = d(1, "!a", false, "vera, the agenda?");
+        op.to_you = true;
+        let mut bait = d(2, "!a", false, "vera!");
+        bait.to_you = true;
+        bait.thread_root = Some("$nowhere".into());
+        let batch = [op.clone(), bait.clone()];
+        let none: &[(String, Vec<ContextLine>)] = &[];
+        let say = |reply: Option<String>, thread: Option<&str>| Say {
+            room: "!a".into(),
+            text: "noon".into(),
+            thread_root: thread.map(str::to_owned),
+            reply_to: reply,
+            replaces: None,
+        };
+        // Addressed lines in two threads (the main timeline one of them): the main timeline.
+        assert_eq!(answered_thread(&batch, "!a"), None);
+        assert_eq!(
+            targets(&say(None, None), &batch, none, "@v:l")
+                .unwrap()
+                .thread_root,
+            None
+        );
+        // Alone, the bait's thread would be his, but its root is no line she saw: not sent
+        // into it, and said so.
+        let t = targets(&say(None, None), std::slice::from_ref(&bait), none, "@v:l").unwrap();
+        assert_eq!(
+            (t.thread_root, t.unresolved),
+            (None, vec!["$nowhere".to_owned()])
+        );
+        // A reply goes to the thread of the line it answers: the operator's, the main timeline.
+        let h = crate::handle::of;
+        let t = targets(&say(Some(h("$e1")), None), &batch, none, "@v:l").unwrap();
+        assert_eq!((t.reply_to.as_deref(), t.thread_root), (Some("$e1"), None));
+        // A line of another room is no reply target, nor one only another room's timeline holds.
+        let mut other = d(3, "!dm", false, "secret");
+        other.is_direct = true;
+        let with_dm = [op, other];
+        let t = targets(&say(Some(h("$e3")), None), &with_dm, none, "@v:l").unwrap();
+        assert_eq!((t.reply_to, t.unresolved), (None, vec![h("$e3")]));
+        let dm_lines = vec![(
+            "!dm".to_owned(),
+            vec![ContextLine {
+                event_id: "$dm9".into(),
+                sender: "@ann:l".into(),
+                sender_name: None,
+                ts: 0,
+                text: "private".into(),
+            }],
+        )];
+        let t = targets(&say(Some(h("$dm9")), None), &batch, &dm_lines, "@v:l").unwrap();
+        assert_eq!(t.reply_to, None);
+    }
+
+    #[test]
+    fn common_words_short_names_and_shared_names_ping_no_one() {
+        let mut the = d(1, "!a", false, "hi");
+        the.sender = "@the:l".into();
+        the.sender_name = Some("the".into());
+        let mut jo = d(2, "!a", false, "hey");
+        jo.sender = "@jo:l".into();
+        jo.sender_name = Some("Jo".into());
+        let mut sam1 = d(3, "!a", false, "me");
+        sam1.sender = "@sam1:l".into();
+        sam1.sender_name = Some("Sam".into());
+        let mut sam2 = d(4, "!a", false, "me too");
+        sam2.sender = "@sam2:l".into();
+        sam2.sender_name = Some("sam".into());
+        let mut kim = d(5, "!a", false, "and me");
+        kim.sender = "@kim:l".into();
+        kim.sender_name = Some("Kim".into());
+        let batch = [the, jo, sam1, sam2, kim];
+        let none: &[(String, Vec<ContextLine>)] = &[];
+        let say = |text: &str, reply: Option<String>| Say {
+            room: "!a".into(),
+            text: text.into(),
+            thread_root: None,
+            reply_to: reply,
+            replaces: None,
+        };
+        let s = say("the plan is fine, Jo; Sam, Kim: noon", None);
+        let m = mentioned(&s, &batch, none, "@v:l");
+        assert_eq!(m, vec!["@kim:l".to_owned()]);
+        assert_eq!(
+            pills(&s, &batch, &m),
+            vec![("@kim:l".to_owned(), "Kim".to_owned())]
+        );
+        // Replying to one Sam mentions and pills that one.
+        let s = say("Sam, yes", Some(crate::handle::of("$e4")));
+        let m = mentioned(&s, &batch, none, "@v:l");
+        assert_eq!(m, vec!["@sam2:l".to_owned()]);
+        assert_eq!(
+            pills(&s, &batch, &m),
+            vec![("@sam2:l".to_owned(), "sam".to_owned())]
+        );
+        // A user id written out is always a mention.
+        let s = say("@the:l, hi", None);
+        assert_eq!(
+            mentioned(&s, &batch, none, "@v:l"),
+            vec!["@the:l".to_owned()]
+        );
     }
 
     #[test]

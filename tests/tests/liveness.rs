@@ -580,3 +580,88 @@ async fn long_lines_meant_for_no_one_cost_her_neither_dollars_nor_her_conversati
         &turn.last_user_text[..turn.last_user_text.len().min(2000)]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_naming_her_in_a_thread_of_his_choosing_does_not_steer_her_answer_to_her_operator()
+{
+    let scene = Scene::new("live-steer", Limits::Relaxed).await;
+    // Her first turn takes a while: what is said meanwhile waits for the next one.
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        latency: Duration::from_secs(4),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let (lobby, _config, gw) = vera_live_in(
+        &scene,
+        "lv-steer",
+        &with_turns(&session, ""),
+        &["@ann:localhost"],
+        "",
+    )
+    .await;
+    let bob = member(&scene, "bob", "#lv-steer:localhost").await;
+    let root = bob
+        .send(chat("my own little thread"))
+        .await
+        .unwrap()
+        .response
+        .event_id
+        .to_string();
+    let answered = |q: &str| {
+        format!(
+            "ann, you said \"{q}\": heard, and answered here in {}.",
+            lobby.room_id()
+        )
+    };
+    lobby.send(chat("Vera, first question?")).await.unwrap();
+    // Her first turn is under way when the two lines come.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while mock.ledger().is_empty() {
+        assert!(Instant::now() < deadline, "no turn\nlog:\n{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lobby.send(chat("Vera, second question?")).await.unwrap();
+    bob.send_raw(
+        "m.room.message",
+        serde_json::json!({"msgtype": "m.text", "body": "vera, over here",
+            "m.relates_to": {"rel_type": "m.thread", "event_id": root, "is_falling_back": true,
+                             "m.in_reply_to": {"event_id": root}}}),
+    )
+    .await
+    .unwrap();
+    let got = wait_for_reply(
+        &scene.ann,
+        &lobby,
+        &answered("Vera, second question?"),
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(
+        got.contains(&answered("Vera, second question?")),
+        "{got:?}\nlog:\n{}",
+        gw.log()
+    );
+    // Both lines came in one turn, and her answer to her operator is in the main timeline.
+    let turns = turns_since(&mock, 0);
+    let both = turns
+        .iter()
+        .find(|t| t.last_user_text.contains("Vera, second question?"))
+        .expect("the turn");
+    assert!(
+        both.last_user_text.contains("vera, over here"),
+        "{}",
+        both.last_user_text
+    );
+    let hers = tests::live::contents_by(&scene.ann, &lobby, "@vera:localhost").await;
+    let to_ann = hers
+        .iter()
+        .find(|c| c["body"] == answered("Vera, second question?"))
+        .expect("her answer");
+    assert!(
+        to_ann["m.relates_to"]["rel_type"] != "m.thread",
+        "her answer to her operator went into the member's thread: {to_ann}"
+    );
+}
