@@ -20,7 +20,9 @@
 //! - Errors back off exponentially (0.5 s to 30 s); a 429's requested wait is honoured.
 //! - An event that cannot be decrypted is held (in the inbox) and retried every round; once it
 //!   decrypts it is delivered in clear, and when `undecryptable_wait_secs` runs out it is
-//!   delivered with a placeholder text. Counted and logged either way, never dropped.
+//!   delivered with a placeholder text. One written before her device existed was encrypted
+//!   for no device of hers: after one lookup in her key backup it is delivered as the
+//!   placeholder at once. Counted and logged either way, never dropped.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,6 +242,12 @@ impl Ear {
         self.sync_round(timeout, true).await
     }
 
+    /// When her device was made (ms since the epoch), as her crypto store knows it.
+    async fn device_created_ms(&self) -> i64 {
+        let at = self.client.encryption().device_creation_timestamp().await;
+        i64::from(at.get())
+    }
+
     /// Her joined rooms that are not DMs (a partial round leaves them on the homeserver).
     async fn public_rooms(&self) -> Vec<OwnedRoomId> {
         let mut out = Vec::new();
@@ -429,7 +437,36 @@ impl Ear {
                         self.persona.limits.context_lines,
                         self.persona.limits.context_bytes,
                     );
-                    if utd {
+                    if utd && event::predates(d.ts, self.device_created_ms().await) {
+                        // Written before her device existed: its key was shared with no device
+                        // of hers, so only her key backup could hold it. One lookup, then the
+                        // placeholder at once: waiting would change nothing.
+                        self.stats.undecryptable.fetch_add(1, Ordering::Relaxed);
+                        let clear =
+                            match matrix_sdk::ruma::OwnedEventId::try_from(d.event_id.as_str()) {
+                                Ok(eid) => self.decrypted(&room, &eid).await,
+                                Err(_) => None,
+                            };
+                        match clear
+                            .and_then(|v| {
+                                event::delivery(&v, &info, &self.me, d.sender_name.clone())
+                            })
+                            .filter(|c| c.text != event::UNDECRYPTABLE)
+                        {
+                            Some(mut c) => {
+                                c.context = std::mem::take(&mut d.context);
+                                self.stats.decrypted_late.fetch_add(1, Ordering::Relaxed);
+                                deliveries.push(c);
+                            }
+                            None => {
+                                self.stats
+                                    .undecryptable_delivered
+                                    .fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(persona = %self.persona.id, event = %d.event_id, room = %info.room_id, "undecryptable: written before her device existed, so its key was never shared with her and her key backup does not hold it; delivered as a placeholder now (ask the sender to write it again)");
+                                deliveries.push(d);
+                            }
+                        }
+                    } else if utd {
                         self.stats.undecryptable.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(persona = %self.persona.id, event = %d.event_id, room = %info.room_id, "undecryptable event held; retried each round");
                         hold.push(Held {

@@ -50,6 +50,15 @@ pub struct RoomInfo {
 /// logged, never dropped silently).
 pub const UNDECRYPTABLE: &str = "(this message could not be decrypted)";
 
+/// Whether an event sent at `event_ts` (ms since the epoch, the homeserver's) was written
+/// before her device was made at `device_created_ms`: its room key was then shared with no
+/// device of hers, and waiting for it cannot help. (The event's time is the homeserver's clock,
+/// the device's the gateway's: with clocks apart by more than a line's round trip, a line
+/// written in her first seconds could be taken for an earlier one.)
+pub fn predates(event_ts: i64, device_created_ms: i64) -> bool {
+    event_ts > 0 && event_ts < device_created_ms
+}
+
 /// Cuts `text` to at most `max_bytes`, at a character boundary; returns its new length.
 pub fn truncate_text(text: &mut String, max_bytes: usize) -> usize {
     let at = (0..=max_bytes.min(text.len()))

@@ -665,3 +665,47 @@ async fn a_member_naming_her_in_a_thread_of_his_choosing_does_not_steer_her_answ
         "her answer to her operator went into the member's thread: {to_ann}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_dm_written_before_her_device_existed_reaches_her_at_once() {
+    let scene = Scene::new("live-predates", Limits::Relaxed).await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // Her defaults: an undecryptable line is held ten minutes, but not this one.
+    let config = tests::live::operated(&scene, &with_turns(&session, ""));
+    let vera: matrix_sdk::ruma::OwnedUserId = "@vera:localhost".try_into().unwrap();
+    let dm = scene.ann.create_dm(&vera).await.unwrap();
+    dm.send(chat("Vera, did you get the keys?")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let gw = GatewayProcess::start(&config);
+    // Far within the ten minutes such a line is otherwise held.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let got = loop {
+        let got = tests::live::from_vera(&scene.ann, &dm).await;
+        if !got.is_empty() {
+            break got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "her operator's early DM never reached her\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        got[0].contains("(this message could not be decrypted)"),
+        "{got:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(120));
+    assert!(
+        gw.log().contains("written before her device existed"),
+        "the log does not say why:\n{}",
+        gw.log()
+    );
+}

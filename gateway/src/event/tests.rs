@@ -356,3 +356,12 @@ fn media_says_its_type_size_and_duration() {
     assert_eq!(forged.text.lines().count(), 1, "{}", forged.text);
     assert_eq!(human_size(2048), "2.0 KB");
 }
+
+#[test]
+fn a_line_written_before_her_device_was_made_predates_it() {
+    assert!(predates(1_000, 2_000));
+    assert!(!predates(2_000, 2_000));
+    assert!(!predates(3_000, 2_000));
+    // No time given: not known to predate anything.
+    assert!(!predates(0, 2_000));
+}
