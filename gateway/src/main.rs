@@ -13,11 +13,16 @@ use clap::Parser;
 
 /// Logs to stderr: text for people, or one JSON object per line (spans included) for the
 /// journal and log shippers. `auto` is JSON when stderr is not a terminal or the journal
-/// reads it (`JOURNAL_STREAM`). `RUST_LOG` filters either.
+/// reads it (`JOURNAL_STREAM`). `RUST_LOG` filters either. By default matrix-sdk's HTTP
+/// client is silent: it logs every failed request as an error, the normal 404s of a first start
+/// (no account data, no key backup yet) among them; the gateway reports the failures that
+/// matter itself, with what they stop. `RUST_LOG=info,matrix_sdk::http_client=debug` shows
+/// them all.
 fn logs(format: cli::LogFormat) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        "info,matrix_sdk=warn,matrix_sdk_crypto=warn,matrix_sdk_base=warn".into()
+        "info,matrix_sdk=warn,matrix_sdk_crypto=warn,matrix_sdk_base=warn,matrix_sdk::http_client=off"
+            .into()
     });
     let terminal = std::io::stderr().is_terminal();
     let json = match format {

@@ -275,7 +275,7 @@ impl GatewayProcess {
             .env(
                 "RUST_LOG",
                 std::env::var("CULTNET_TEST_LOG").unwrap_or_else(|_| {
-                    "info,matrix_sdk=warn,matrix_sdk_crypto=error,matrix_sdk_base=warn".to_owned()
+                    "info,matrix_sdk=warn,matrix_sdk_crypto=error,matrix_sdk_base=warn,matrix_sdk::http_client=off".to_owned()
                 }),
             )
             .stdin(std::process::Stdio::null())

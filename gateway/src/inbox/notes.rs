@@ -22,6 +22,14 @@ const LATEST: u8 = b'l';
 /// The most note ids remembered per Persona for idempotency (the oldest are forgotten).
 pub const NOTE_IDS_KEPT: usize = 10_000;
 
+/// The most notes waiting for her next batch, per Persona: past it the oldest waiting note is
+/// dropped (counted), so her Minds cannot make every turn of hers read without end.
+pub const MAX_WAITING_NOTES: usize = 32;
+
+/// The most bytes of text of the notes waiting for her next batch, per Persona (the newest note
+/// is kept whatever its size, up to [`wire::docs::MAX_NOTE_BYTES`]).
+pub const MAX_WAITING_NOTE_BYTES: usize = 48 * 1024;
+
 /// A stored note.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Note {
@@ -46,6 +54,9 @@ pub struct NotePut {
     pub duplicate: bool,
     /// Notes waiting now.
     pub pending: u64,
+    /// Older waiting notes dropped to keep within [`MAX_WAITING_NOTES`] and
+    /// [`MAX_WAITING_NOTE_BYTES`].
+    pub dropped: u64,
 }
 
 pub(super) fn note_key(persona: &str, seq: u64) -> Vec<u8> {
@@ -70,6 +81,7 @@ impl Inbox {
             return Ok(NotePut {
                 duplicate: true,
                 pending: self.pending_notes(persona)?.len() as u64,
+                dropped: 0,
             });
         }
         let seq = st
@@ -78,14 +90,36 @@ impl Inbox {
             .map_or(1, |v| u64_of(&v));
         let mut ops = sled::Batch::default();
         let waiting = self.pending_notes(persona)?;
-        let mut pending = waiting.len() as u64 + 1;
+        let mut kept: Vec<&Note> = waiting.iter().collect();
         if req.replacing() {
             for old in waiting.iter().filter(|n| n.kind == req.kind) {
                 ops.remove(note_key(persona, old.seq));
-                pending -= 1;
             }
+            kept.retain(|n| n.kind != req.kind);
             ops.insert(latest_key(persona, &req.kind), req.text.as_bytes());
         }
+        // Within the caps, oldest dropped first (the new note is always kept).
+        let mut bytes: usize = kept.iter().map(|n| n.text.len()).sum::<usize>() + req.text.len();
+        let mut dropped = 0u64;
+        while !kept.is_empty()
+            && (kept.len() + 1 > MAX_WAITING_NOTES || bytes > MAX_WAITING_NOTE_BYTES)
+        {
+            let old = kept.remove(0);
+            bytes -= old.text.len();
+            ops.remove(note_key(persona, old.seq));
+            dropped += 1;
+        }
+        if dropped > 0 {
+            let total = st
+                .tree
+                .get(key(persona, b"notes_dropped"))?
+                .map_or(0, |v| u64_of(&v));
+            ops.insert(
+                key(persona, b"notes_dropped"),
+                &(total + dropped).to_be_bytes(),
+            );
+        }
+        let pending = kept.len() as u64 + 1;
         let note = Note {
             seq,
             note_id: req.note_id.clone(),
@@ -103,6 +137,7 @@ impl Inbox {
         Ok(NotePut {
             duplicate: false,
             pending,
+            dropped,
         })
     }
 
@@ -126,6 +161,15 @@ impl Inbox {
             }
         }
         Ok(())
+    }
+
+    /// Waiting notes dropped in all to keep within the caps.
+    pub fn notes_dropped(&self, persona: &str) -> Result<u64, InboxError> {
+        let st = self.stores()?;
+        Ok(st
+            .tree
+            .get(key(persona, b"notes_dropped"))?
+            .map_or(0, |v| u64_of(&v)))
     }
 
     /// Notes waiting to be shown, oldest first.

@@ -1075,3 +1075,31 @@ fn a_batch_set_aside_leaves_her_mail_and_comes_back_on_retry_with_new_seqs() {
     assert!(inbox.set_aside_list("p").unwrap().is_empty());
     assert_eq!(inbox.counts("p").unwrap().pending, 3);
 }
+
+#[test]
+fn waiting_notes_are_capped_in_count_and_bytes_oldest_dropped_and_counted() {
+    use super::notes::{MAX_WAITING_NOTES, MAX_WAITING_NOTE_BYTES};
+    let path = dir("notes-cap");
+    let inbox = Inbox::open(&path).unwrap();
+    for i in 0..MAX_WAITING_NOTES + 5 {
+        let put = inbox
+            .put_note(&note(&format!("n{i}"), "log", "short"), 1)
+            .unwrap();
+        assert!(put.pending as usize <= MAX_WAITING_NOTES);
+    }
+    let texts = inbox.pending_notes("mira").unwrap();
+    assert_eq!(texts.len(), MAX_WAITING_NOTES);
+    assert_eq!(texts[0].note_id, "n5", "the oldest went first");
+    assert_eq!(inbox.notes_dropped("mira").unwrap(), 5);
+    // Bytes: three big notes do not fit together; the newest is always kept.
+    let big = "b".repeat(MAX_WAITING_NOTE_BYTES / 2);
+    for i in 0..3 {
+        inbox
+            .put_note(&note(&format!("big{i}"), "log", &big), 2)
+            .unwrap();
+    }
+    let waiting = inbox.pending_notes("mira").unwrap();
+    let bytes: usize = waiting.iter().map(|n| n.text.len()).sum();
+    assert!(bytes <= MAX_WAITING_NOTE_BYTES, "{bytes}");
+    assert_eq!(waiting.last().map(|n| n.note_id.as_str()), Some("big2"));
+}

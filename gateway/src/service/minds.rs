@@ -20,6 +20,9 @@ impl Service {
         let receipt = match self.inbox.put_note(&r, crate::clock::unix_ms()) {
             Ok(put) => {
                 tracing::info!(persona = %r.persona, note = ?r.note_id, kind = ?r.kind, wake = r.wake, duplicate = put.duplicate, "note stored");
+                if put.dropped > 0 {
+                    tracing::warn!(persona = %r.persona, dropped = put.dropped, "older waiting notes dropped: her notes are capped in count and bytes until her next batch shows them");
+                }
                 if r.wake && !put.duplicate {
                     trigger.notify_one();
                 }

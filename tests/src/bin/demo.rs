@@ -311,10 +311,21 @@ async fn main() {
     );
     if stay {
         println!(
-            "running; Ctrl-C stops (homeserver {url}, config {})",
+            "running; Ctrl-C or SIGTERM stops (homeserver {url}, config {})",
             config.display()
         );
-        let _ = tokio::signal::ctrl_c().await;
+        // A script or systemd stops it with SIGTERM: its homeserver and gateway stop too.
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
     }
     let code = gw.stop();
     println!("gateway stopped ({code}); demo done");
