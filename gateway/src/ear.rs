@@ -248,11 +248,23 @@ impl Ear {
         i64::from(at.get())
     }
 
-    /// Her joined rooms that are not DMs (a partial round leaves them on the homeserver).
+    /// Whether `room` is a DM of hers with one of her operators: marked direct (her `m.direct`,
+    /// which records who invited her to it as a DM) with an operator. A room a member marks as
+    /// a DM with her is a public room to her rules: not every line there starts a turn.
+    async fn operator_dm(&self, room: &Room) -> bool {
+        room.is_direct().await.unwrap_or(false)
+            && room.direct_targets().iter().any(|t| {
+                t.as_user_id()
+                    .is_some_and(|u| self.persona.operators.iter().any(|o| o == u.as_str()))
+            })
+    }
+
+    /// Her joined rooms that are not DMs with her operators (a partial round leaves them on the
+    /// homeserver).
     async fn public_rooms(&self) -> Vec<OwnedRoomId> {
         let mut out = Vec::new();
         for room in self.client.joined_rooms() {
-            if !room.is_direct().await.unwrap_or(false) {
+            if !self.operator_dm(&room).await {
                 out.push(room.room_id().to_owned());
             }
         }
@@ -334,7 +346,7 @@ impl Ear {
             let info = RoomInfo {
                 room_id: room_id.to_string(),
                 alias: room.canonical_alias().map(|a| a.to_string()),
-                is_direct: room.is_direct().await.unwrap_or(false),
+                is_direct: self.operator_dm(&room).await,
             };
             let mut fresh: Vec<(bool, Value)> = Vec::new();
             for ev in &update.timeline.events {
@@ -368,11 +380,34 @@ impl Ear {
             // it is kept. (One said and deleted since the last round comes pruned, without a
             // body: Synapse serves a redacted event so, and such an event is neither mail nor
             // context.)
-            let gone: std::collections::HashSet<String> = events
-                .iter()
-                .filter_map(|(_, ev)| event::redacts(ev))
-                .map(str::to_owned)
-                .collect();
+            let mut gone: std::collections::HashSet<String> = Default::default();
+            let levels = room.power_levels().await.ok();
+            for (_, ev) in &events {
+                let Some(target) = event::redacts(ev) else {
+                    continue;
+                };
+                let redacter = ev.get("sender").and_then(Value::as_str).unwrap_or_default();
+                let author = events
+                    .iter()
+                    .find(|(_, e)| e.get("event_id").and_then(Value::as_str) == Some(target))
+                    .and_then(|(_, e)| e.get("sender").and_then(Value::as_str))
+                    .or_else(|| {
+                        self.timelines.get(&info.room_id).and_then(|tl| {
+                            tl.iter()
+                                .find(|(_, l)| l.event_id == target)
+                                .map(|(_, l)| l.sender.as_str())
+                        })
+                    });
+                let may = match (&levels, matrix_sdk::ruma::UserId::parse(redacter)) {
+                    (Some(l), Ok(u)) => l.user_can_redact_event_of_other(&u),
+                    _ => false,
+                };
+                if event::redaction_counts(redacter, author, may) {
+                    gone.insert(target.to_owned());
+                } else {
+                    tracing::warn!(persona = %self.persona.id, room = %info.room_id, redacter, target, "a redaction by someone without power over the line is ignored");
+                }
+            }
             if !gone.is_empty() {
                 let tl = self.timelines.entry(info.room_id.clone()).or_default();
                 for (_, l) in tl.iter_mut().filter(|(_, l)| gone.contains(&l.event_id)) {
@@ -707,12 +742,13 @@ impl Ear {
     }
 
     async fn consider_invite(&self, room_id: &OwnedRoomId, invite: &InvitedRoom) {
-        let inviter = invite.invite_state.events.iter().find_map(|raw| {
-            let v: Value = serde_json::from_str(raw.json().get()).ok()?;
-            (v.get("type")?.as_str()? == "m.room.member"
-                && v.get("state_key")?.as_str()? == self.me.user_id)
-                .then(|| v.get("sender")?.as_str().map(str::to_owned))?
-        });
+        let stripped: Vec<Value> = invite
+            .invite_state
+            .events
+            .iter()
+            .filter_map(|raw| serde_json::from_str(raw.json().get()).ok())
+            .collect();
+        let inviter = event::inviter(stripped.iter(), &self.me.user_id).map(str::to_owned);
         match inviter {
             Some(who) if self.persona.operators.contains(&who) => {
                 match self.client.join_room_by_id(room_id).await {

@@ -82,6 +82,35 @@ pub fn redacts(ev: &Value) -> Option<&str> {
     str_at(ev, &["content", "redacts"]).or_else(|| str_at(ev, &["redacts"]))
 }
 
+/// Whether a redaction by `redacter` of a line by `author` (when known) counts: her own line's
+/// author may delete it, anyone else only with the power to redact others' lines
+/// (`may_redact_others`, from the room's power levels). A homeserver of another member could
+/// hand her any redaction; one that does not count leaves the line as it was.
+pub fn redaction_counts(redacter: &str, author: Option<&str>, may_redact_others: bool) -> bool {
+    author == Some(redacter) || may_redact_others
+}
+
+/// Who invited her, from an invite's stripped state (`events`, raw JSON): the sender of the one
+/// `m.room.member` event for her (`me`) with membership `invite`. None when there is none, or
+/// when the stripped state (which the inviting server writes) holds several that disagree.
+pub fn inviter<'a>(events: impl IntoIterator<Item = &'a Value>, me: &str) -> Option<&'a str> {
+    let mut found: Option<&str> = None;
+    for v in events {
+        let mine = str_at(v, &["type"]) == Some("m.room.member")
+            && str_at(v, &["state_key"]) == Some(me)
+            && str_at(v, &["content", "membership"]) == Some("invite");
+        if !mine {
+            continue;
+        }
+        let sender = str_at(v, &["sender"])?;
+        match found {
+            Some(f) if f != sender => return None,
+            _ => found = Some(sender),
+        }
+    }
+    found
+}
+
 fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
     let mut cur = v;
     for p in path {

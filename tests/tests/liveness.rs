@@ -709,3 +709,39 @@ async fn an_operators_dm_written_before_her_device_existed_reaches_her_at_once()
         gw.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invite_to_her_operators_room_sent_by_a_stranger_is_not_joined() {
+    use matrix_sdk::ruma::api::client::room::create_room::v3::{Request, RoomPreset};
+    let scene = Scene::new("live-invite", Limits::Relaxed).await;
+    // Mouth-only is enough: joining is the ear's.
+    let config = tests::live::operated(&scene, "");
+    let gw = GatewayProcess::start(&config);
+    scene.hs.register("eve", "eve-pw");
+    let eve = user_client(&scene.url, "eve", "eve-pw", &scene.dir.join("eve")).await;
+    // Her operator's room (its creation and state are his), which a stranger may invite to.
+    let mut req = Request::new();
+    req.preset = Some(RoomPreset::PublicChat);
+    req.name = Some("ann's office".into());
+    // Anyone in it may invite.
+    req.power_level_content_override = Some(matrix_sdk::ruma::serde::Raw::from_json(
+        serde_json::value::to_raw_value(&serde_json::json!({"invite": 0})).unwrap(),
+    ));
+    let office = scene.ann.create_room(req).await.unwrap();
+    eve.join_room_by_id(office.room_id()).await.unwrap();
+    let office_as_eve = eve.get_room(office.room_id()).expect("eve is in it");
+    let vera: matrix_sdk::ruma::OwnedUserId = "@vera:localhost".try_into().unwrap();
+    office_as_eve.invite_user_by_id(&vera).await.unwrap();
+    // And her operator's own invite, after it: joined.
+    let dm = open_dm(&scene.ann, &gw).await;
+    let _ = dm;
+    gw.wait_log(
+        "invite from a non-operator ignored",
+        Duration::from_secs(30),
+    );
+    assert!(
+        !tests::matrix::has_joined(&scene.ann, &office, &vera).await,
+        "she joined a room a stranger invited her to\nlog:\n{}",
+        gw.log()
+    );
+}

@@ -365,3 +365,39 @@ fn a_line_written_before_her_device_was_made_predates_it() {
     // No time given: not known to predate anything.
     assert!(!predates(0, 2_000));
 }
+
+#[test]
+fn only_its_author_or_a_moderator_deletes_a_line() {
+    assert!(redaction_counts("@bob:l", Some("@bob:l"), false));
+    assert!(!redaction_counts("@eve:l", Some("@bob:l"), false));
+    assert!(redaction_counts("@mod:l", Some("@bob:l"), true));
+    // A line whose author she does not know: only a moderator's redaction counts.
+    assert!(!redaction_counts("@eve:l", None, false));
+}
+
+#[test]
+fn the_inviter_is_the_sender_of_her_own_invite_and_nothing_else() {
+    let me = "@vera:l";
+    let member = |state_key: &str, sender: &str, membership: &str| {
+        serde_json::json!({"type": "m.room.member", "state_key": state_key, "sender": sender,
+            "content": {"membership": membership}})
+    };
+    let create = serde_json::json!({"type": "m.room.create", "state_key": "", "sender": "@ann:l", "content": {}});
+    // The operator's own membership first (as a forged state could put it) does not count.
+    let evs = [
+        create.clone(),
+        member("@ann:l", "@ann:l", "join"),
+        member(me, "@eve:l", "invite"),
+    ];
+    assert_eq!(inviter(evs.iter(), me), Some("@eve:l"));
+    let evs = [create.clone(), member(me, "@ann:l", "invite")];
+    assert_eq!(inviter(evs.iter(), me), Some("@ann:l"));
+    // Two invites for her that disagree: no inviter; none at all: none; a join is no invite.
+    let evs = [
+        member(me, "@ann:l", "invite"),
+        member(me, "@eve:l", "invite"),
+    ];
+    assert_eq!(inviter(evs.iter(), me), None);
+    assert_eq!(inviter([create.clone()].iter(), me), None);
+    assert_eq!(inviter([member(me, "@ann:l", "join")].iter(), me), None);
+}
