@@ -705,7 +705,14 @@ async fn live(p: &Persona) -> Vec<Line> {
         }
     }
     match p.budget.usd_per_day {
-        Some(cap) => out.push(ok(&s("budget"), format!("at most ${cap} in any 24 hours"))),
+        Some(cap) => out.push(ok(
+            &s("budget"),
+            format!(
+                "at most ${cap} in any 24 hours, {:.0}% of it kept for her operators",
+                p.budget.operator_reserve * 100.0
+            ),
+        )),
+        // The default is a cap: only a config built by code, not by TOML, has none.
         None => out.push(bad(
             Level::Warn,
             &s("budget"),

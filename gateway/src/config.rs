@@ -368,13 +368,28 @@ impl Turns {
 
 /// What a live Persona may spend on the model: her operator's cap, enforced before any call
 /// that costs (a turn, a keep-warm refresh, a compaction).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Budget {
-    /// Dollars she may spend in any 24 hours (billed by her price table). Unset: no cap.
-    /// Once reached, her mail waits (nothing is lost) until the window moves on or a reload
-    /// raises the cap.
+    /// Dollars she may spend in any 24 hours (billed by her price table): [`DEFAULT_USD_PER_DAY`]
+    /// unless set. Once reached, her mail waits (nothing is lost) until the window moves on or
+    /// a reload raises the cap.
     pub usd_per_day: Option<f64>,
+    /// The share of the cap (0 to less than 1) kept for her operators: once the rest is spent,
+    /// only her operators' lines and DMs start turns.
+    pub operator_reserve: f64,
+}
+
+/// Her daily cap when her config names none: a room cannot make her spend without limit.
+pub const DEFAULT_USD_PER_DAY: f64 = 10.0;
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self {
+            usd_per_day: Some(DEFAULT_USD_PER_DAY),
+            operator_reserve: 0.25,
+        }
+    }
 }
 
 // Loading rejects NaN, so equality is reflexive on every loaded config.
@@ -794,6 +809,14 @@ impl Config {
                         format!("{cap} is not an amount in dollars (0 or more)"),
                     ));
                 }
+            }
+            let r = p.budget.operator_reserve;
+            if !(r.is_finite() && (0.0..1.0).contains(&r)) {
+                return Err(err(
+                    who,
+                    "budget.operator_reserve",
+                    format!("{r} is not a share of the cap (0 to less than 1, e.g. 0.25)"),
+                ));
             }
             let sc = &p.session;
             if sc.mode == SessionMode::Live {
@@ -1306,9 +1329,14 @@ operators = ["@op:localhost"]
     #[test]
     fn a_budget_is_dollars_a_day_checked_on_load() {
         let budget = |body: &str| Config::parse(&format!("{GOOD}\n[persona.budget]\n{body}"));
+        let d = &Config::parse(GOOD).unwrap().personas[0].budget;
         assert_eq!(
-            Config::parse(GOOD).unwrap().personas[0].budget.usd_per_day,
-            None
+            (d.usd_per_day, d.operator_reserve),
+            (Some(DEFAULT_USD_PER_DAY), 0.25)
+        );
+        assert_eq!(
+            budget("operator_reserve = 1.0").unwrap_err().key,
+            "budget.operator_reserve"
         );
         let c = budget("usd_per_day = 2.5").unwrap();
         assert_eq!(c.personas[0].budget.usd_per_day, Some(2.5));

@@ -236,27 +236,85 @@ struct StatusFile {
     /// Her batches set aside (the model API kept refusing them), oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     set_aside: Vec<wire::docs::SetAsideBatch>,
+    /// When her operator was told she stopped for her budget (until she is within it again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    budget_notice_at_ms: Option<i64>,
 }
 
-/// Her spend in the last 24 hours has reached her cap (`[persona.budget] usd_per_day`).
+/// Her spend in the last 24 hours has reached her cap (`[persona.budget] usd_per_day`), or the
+/// public share of it (the cap less her operators' reserve).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
 struct OverBudget {
     /// Spent in the window, dollars.
     spent_usd: f64,
     /// The cap, dollars.
     cap_usd: f64,
-    /// When enough spend has left the window, ms since the epoch.
+    /// When enough spend has left the window, ms since the epoch: below the cap, or (with
+    /// `operators_only`) below the public share.
     resumes_at_ms: i64,
+    /// Only the public share is spent: her operators' lines and DMs are answered from the
+    /// reserve.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    operators_only: bool,
 }
 
 impl OverBudget {
+    /// From her share, `None` when it is open.
+    fn of(share: session::budget::Share) -> Option<Self> {
+        use session::budget::Share;
+        match share {
+            Share::Open => None,
+            Share::Operators {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+                ..
+            } => Some(Self {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+                operators_only: true,
+            }),
+            Share::Over {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+            } => Some(Self {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+                operators_only: false,
+            }),
+        }
+    }
+
     /// What her status says of it.
     fn describe(&self) -> String {
+        let wait = human_duration(self.resumes_at_ms - crate::clock::unix_ms());
+        if self.operators_only {
+            format!(
+                "over_budget: ${:.4} spent in the last 24 hours, past the public share of a ${:.4} cap; her operators' lines are answered from the reserve, others' wait {wait} more (or until a reload raises budget.usd_per_day)",
+                self.spent_usd, self.cap_usd,
+            )
+        } else {
+            format!(
+                "over_budget: ${:.4} spent in the last 24 hours of a ${:.4} cap; her mail waits {wait} more (or until a reload raises budget.usd_per_day)",
+                self.spent_usd, self.cap_usd,
+            )
+        }
+    }
+
+    /// What the gateway tells her operator, once, in her DM with him.
+    fn notice(&self, persona: &str) -> String {
+        let wait = human_duration(self.resumes_at_ms - crate::clock::unix_ms());
+        let what = if self.operators_only {
+            "She answers only you (and her other operators) now, from the reserve; others' lines wait"
+        } else {
+            "She answers no one now; all her mail waits"
+        };
         format!(
-            "over_budget: ${:.4} spent in the last 24 hours of a ${:.4} cap; her mail waits {} more (or until a reload raises budget.usd_per_day)",
-            self.spent_usd,
-            self.cap_usd,
-            human_duration(self.resumes_at_ms - crate::clock::unix_ms()),
+            "[cultnet-gateway] {persona} has spent ${:.2} in the last 24 hours of her ${:.2} daily budget. {what}, {wait} more. To raise it: set [persona.budget] usd_per_day in the gateway's config and reload it (SIGHUP, or systemctl reload cultnet-gateway).",
+            self.spent_usd, self.cap_usd
         )
     }
 }
@@ -463,6 +521,7 @@ impl TurnLoop {
             over_budget: None,
             retired_lines: earlier.retired_lines,
             set_aside: Vec::new(),
+            budget_notice_at_ms: earlier.budget_notice_at_ms,
         };
         // Her spend in the last 24 hours, from her history (every billed record is there),
         // when she has a cap to hold it against (a new cap comes with a restart of her loop).
@@ -706,22 +765,17 @@ impl TurnLoop {
     }
 
     /// Whether her spend in the last 24 hours has reached her daily cap, so nothing that costs
-    /// may start now. Keeps her status, her metrics and the log up to date as it changes.
+    /// may start now (her operators' reserve aside: see [`TurnLoop::budget`]).
     fn over_budget(&mut self) -> bool {
-        use session::budget::Allowance;
+        self.budget().is_some_and(|o| !o.operators_only)
+    }
+
+    /// Where her spend stands against her cap and her operators' reserve (`None`: open). Keeps
+    /// her status, her metrics and the log up to date as it changes.
+    fn budget(&mut self) -> Option<OverBudget> {
         let now = crate::clock::unix_ms();
-        let over = match self.spend.allowance(now, self.persona.budget.usd_per_day) {
-            Allowance::Open => None,
-            Allowance::Over {
-                spent_usd,
-                cap_usd,
-                resumes_at_ms,
-            } => Some(OverBudget {
-                spent_usd,
-                cap_usd,
-                resumes_at_ms,
-            }),
-        };
+        let b = &self.persona.budget;
+        let over = OverBudget::of(self.spend.share(now, b.usd_per_day, b.operator_reserve));
         if over != self.status.over_budget {
             let label = crate::metrics::PersonaLabel {
                 persona: self.persona.id.clone(),
@@ -734,16 +788,69 @@ impl TurnLoop {
                 .get_or_create(&label)
                 .set(over.map_or(0, |o| o.resumes_at_ms / 1000));
             match &over {
+                Some(o) if o.operators_only => {
+                    tracing::warn!(persona = %self.persona.id, spent_usd = o.spent_usd, cap_usd = o.cap_usd, resumes_at_ms = o.resumes_at_ms, "the public share of her budget is spent: only her operators' lines start turns, from the reserve")
+                }
                 Some(o) => {
                     tracing::warn!(persona = %self.persona.id, spent_usd = o.spent_usd, cap_usd = o.cap_usd, resumes_at_ms = o.resumes_at_ms, "over her budget: no turn starts until she resumes")
                 }
                 None => tracing::info!(persona = %self.persona.id, "within her budget again"),
             }
+            if over.is_none() {
+                self.status.budget_notice_at_ms = None;
+            }
             self.status.over_budget = over;
             self.save_status();
             self.set_error(over.map(|o| o.describe()));
         }
-        over.is_some()
+        over
+    }
+
+    /// Tells her operator, once while she is held by her budget, in her DM with him, what she
+    /// spent, when she resumes, and how to raise her budget (sent by the gateway in her name,
+    /// at most once per episode: its request id is the episode's).
+    async fn tell_operator_of_budget(&mut self, over: OverBudget) {
+        if self.status.budget_notice_at_ms.is_some() {
+            return;
+        }
+        let now = crate::clock::unix_ms();
+        let mut dm = None;
+        for room in self.mouth.client().joined_rooms() {
+            let operator = room.is_direct().await.unwrap_or(false)
+                && room.direct_targets().iter().any(|t| {
+                    t.as_user_id()
+                        .is_some_and(|u| self.persona.operators.iter().any(|o| o == u.as_str()))
+                });
+            if operator {
+                dm = Some(room.room_id().to_string());
+                break;
+            }
+        }
+        self.status.budget_notice_at_ms = Some(now);
+        self.save_status();
+        let Some(room) = dm else {
+            tracing::warn!(persona = %self.persona.id, "no DM with an operator to tell of her budget; the log and her status say it");
+            return;
+        };
+        let receipt = self
+            .mouth
+            .send(&SendRequest {
+                request_id: format!("budget:{}:{now}", self.persona.id),
+                persona: self.persona.id.clone(),
+                room: room.clone(),
+                text: over.notice(&self.persona.user_id),
+                thread_root: None,
+                reply_to: None,
+            })
+            .await;
+        match receipt.status {
+            Status::Ok => {
+                tracing::info!(persona = %self.persona.id, room = %room, "her operator was told of her budget")
+            }
+            _ => {
+                tracing::warn!(persona = %self.persona.id, room = %room, error = ?receipt.error, "her operator could not be told of her budget")
+            }
+        }
     }
 
     /// Records why her session cannot take turns (for her status file and CultNet status).
@@ -937,8 +1044,31 @@ impl TurnLoop {
             });
             let wake_note =
                 page.deliveries.is_empty() && self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
-            let over_budget = self.over_budget();
-            let lines = self.lines(&page.deliveries);
+            let budget = self.budget();
+            if let Some(o) = budget {
+                self.tell_operator_of_budget(o).await;
+            }
+            let over_budget = budget.is_some_and(|o| !o.operators_only);
+            let operators_only = budget.is_some_and(|o| o.operators_only);
+            let mut lines = self.lines(&page.deliveries);
+            // Past the public share only her operators' lines start turns (the reserve).
+            if operators_only {
+                for l in lines.iter_mut().filter(|l| !l.operator) {
+                    l.addressed = false;
+                }
+            }
+            let rules = if operators_only {
+                Rules {
+                    start: match self.rules.start {
+                        session::admission::Start::All => session::admission::Start::Addressed,
+                        s => s,
+                    },
+                    ambient_every_ms: 0,
+                    ..self.rules.clone()
+                }
+            } else {
+                self.rules.clone()
+            };
             let look = Look {
                 pending: &page.deliveries,
                 lines: &lines,
@@ -950,7 +1080,7 @@ impl TurnLoop {
             let step = drain.next(
                 &look,
                 &self.admission,
-                &self.rules,
+                &rules,
                 self.shrink,
                 self.persona.session.max_batch,
                 self.persona.turns.bound(),

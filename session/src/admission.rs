@@ -10,11 +10,13 @@
 //! - `per_sender_per_hour`: the turns one non-operator's lines can start in an hour; past it
 //!   their lines wait and ride with the next turn.
 //! - `bot_exchanges`: consecutive turns in one room started by other Personas or listed bots,
-//!   with no human line between; past it such lines start no turn until a human speaks there.
+//!   with no human line to her between; past it such lines start no turn until a human speaks
+//!   to her there (a human's "lol" meant for no one does not renew the count).
 //!
 //! Batches are prefixes of her pending mail (acks are cumulative), so a turn started by a line
 //! may first take the older mail ahead of it; a start is booked against the line that made it
-//! only when that line is in the batch taken ([`Admission::started`]).
+//! only when that line is in the batch taken, and against every other member whose lines to
+//! her the batch carries, once each ([`Admission::started`]): a turn answers them all.
 
 use std::collections::BTreeMap;
 
@@ -129,12 +131,12 @@ impl Admission {
         }
         let mut recheck: Option<i64> = None;
         let mut soonest = |t: i64| recheck = Some(recheck.map_or(t, |r: i64| r.min(t)));
-        // A human line ahead of a bot's ends the room's run when the batch takes it.
+        // A human line to her ahead of a bot's ends the room's run when the batch takes it.
         let mut human_in: Vec<&str> = Vec::new();
         let mut unaddressed = false;
         for (i, l) in pending.iter().enumerate() {
             let candidate = rules.start == Start::All || l.operator || l.addressed;
-            if !l.bot {
+            if !l.bot && (l.addressed || l.operator) {
                 human_in.push(l.room);
             }
             if !candidate {
@@ -185,7 +187,9 @@ impl Admission {
 
     /// Books a turn started at `now_ms` on `batch` (the lines it takes, in seq order) by
     /// `trigger` (the line the verdict named, when the batch holds it; `ambient` as the
-    /// verdict said). A forced turn (her Minds asked) books the batch's human lines alone.
+    /// verdict said): against the trigger's sender and every other member whose lines to her
+    /// the batch carries, once each (her operators never). A forced turn (her Minds asked)
+    /// books the batch's lines to her alone. A human's line to her ends the room's bot run.
     pub fn started(
         &mut self,
         rules: &Rules,
@@ -194,9 +198,13 @@ impl Admission {
         ambient: bool,
         now_ms: i64,
     ) {
-        for l in batch.iter().filter(|l| !l.bot) {
+        for l in batch
+            .iter()
+            .filter(|l| !l.bot && (l.addressed || l.operator))
+        {
             self.bot_runs.remove(l.room);
         }
+        let mut booked: Vec<&str> = Vec::new();
         if let Some(t) = trigger {
             if ambient {
                 self.last_ambient_ms = Some(now_ms);
@@ -204,11 +212,19 @@ impl Admission {
                 *self.bot_runs.entry(t.room.to_owned()).or_default() += 1;
             }
             if !t.operator && !ambient {
-                self.starts
-                    .entry(t.sender.to_owned())
-                    .or_default()
-                    .push(now_ms);
+                booked.push(t.sender);
             }
+        }
+        for l in batch.iter().filter(|l| l.addressed && !l.operator) {
+            if !booked.contains(&l.sender) {
+                booked.push(l.sender);
+            }
+        }
+        for sender in booked {
+            self.starts
+                .entry(sender.to_owned())
+                .or_default()
+                .push(now_ms);
         }
         // Forget what left the hour; a sender with nothing left is forgotten.
         let cap = rules.per_sender_per_hour as usize;
@@ -374,14 +390,50 @@ mod tests {
             a.decide(&r, &[elsewhere], 20),
             Verdict::Start { .. }
         ));
-        // A human line ahead of it (even one that starts nothing) lets it start again.
-        let human = line("!a", "@ann:l", false);
+        // A human's "lol" meant for no one does not renew the count.
+        let lol = line("!a", "@ann:l", false);
+        assert!(matches!(
+            a.decide(&r, &[lol, bot], 20),
+            Verdict::Wait { .. }
+        ));
+        a.started(&r, &[lol], None, false, 20);
+        assert!(matches!(a.decide(&r, &[bot], 20), Verdict::Wait { .. }));
+        // A human line to her ahead of it lets it start again.
+        let human = line("!a", "@ann:l", true);
         assert!(matches!(
             a.decide(&r, &[human, bot], 20),
-            Verdict::Start { trigger: 1, .. }
+            Verdict::Start { trigger: 0, .. }
         ));
-        a.started(&r, &[human, bot], Some(&bot), false, 20);
+        a.started(&r, &[human, bot], Some(&human), false, 20);
         assert!(matches!(a.decide(&r, &[bot], 21), Verdict::Start { .. }));
+    }
+
+    #[test]
+    fn a_turn_is_booked_once_against_every_member_whose_lines_to_her_it_carries() {
+        let mut a = Admission::default();
+        let r = Rules {
+            per_sender_per_hour: 1,
+            ..Rules::default()
+        };
+        let bob = line("!a", "@bob:l", true);
+        let eve = line("!a", "@eve:l", true);
+        let quiet = line("!a", "@cat:l", false);
+        let op = Line {
+            operator: true,
+            ..line("!a", "@ann:l", true)
+        };
+        // Bob's line started it; eve's rode along: both spent their hour, once each.
+        a.started(&r, &[bob, eve, bob, quiet, op], Some(&bob), false, 10);
+        assert_eq!(a.recent("@bob:l", 11).0, 1);
+        assert_eq!(a.recent("@eve:l", 11).0, 1);
+        assert_eq!(
+            a.recent("@cat:l", 11).0,
+            0,
+            "a line not to her books nothing"
+        );
+        assert_eq!(a.recent("@ann:l", 11).0, 0, "her operator is never booked");
+        // So eve's next line waits for her hour like bob's.
+        assert!(matches!(a.decide(&r, &[eve], 12), Verdict::Wait { .. }));
     }
 
     #[test]

@@ -89,6 +89,72 @@ impl Spend {
     }
 }
 
+/// What her spend leaves her, with a share of her cap kept for her operators.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Share {
+    /// Below the public share (or no cap): anything may start.
+    Open,
+    /// The public share is spent: only what her operators say (their lines, their DMs) starts
+    /// a turn, from the reserve; the rest waits until `resumes_at_ms`.
+    Operators {
+        /// Spent in the window (dollars).
+        spent_usd: f64,
+        /// The cap (dollars).
+        cap_usd: f64,
+        /// The public share: the cap less the reserve (dollars).
+        public_usd: f64,
+        /// When enough has left the window for the public share to open again.
+        resumes_at_ms: i64,
+    },
+    /// The whole cap is spent: nothing that costs starts before `resumes_at_ms`.
+    Over {
+        /// Spent in the window (dollars).
+        spent_usd: f64,
+        /// The cap (dollars).
+        cap_usd: f64,
+        /// When enough has left the window to bring it below the cap.
+        resumes_at_ms: i64,
+    },
+}
+
+impl Spend {
+    /// Her share at `now_ms` under a cap of `cap_usd` a day (`None`: no cap) of which
+    /// `reserve` (a share, 0 to 1) is kept for her operators.
+    pub fn share(&mut self, now_ms: i64, cap_usd: Option<f64>, reserve: f64) -> Share {
+        match self.allowance(now_ms, cap_usd) {
+            Allowance::Over {
+                spent_usd,
+                cap_usd,
+                resumes_at_ms,
+            } => {
+                return Share::Over {
+                    spent_usd,
+                    cap_usd,
+                    resumes_at_ms,
+                }
+            }
+            Allowance::Open => {}
+        }
+        let Some(cap) = cap_usd else {
+            return Share::Open;
+        };
+        let public = cap * (1.0 - reserve.clamp(0.0, 1.0));
+        match self.allowance(now_ms, Some(public)) {
+            Allowance::Over {
+                spent_usd,
+                resumes_at_ms,
+                ..
+            } => Share::Operators {
+                spent_usd,
+                cap_usd: cap,
+                public_usd: public,
+                resumes_at_ms,
+            },
+            Allowance::Open => Share::Open,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +197,38 @@ mod tests {
         assert_eq!(s.allowance(24 * H, Some(3.5)), Allowance::Open);
         assert!((s.spent(24 * H) - 2.5).abs() < 1e-9);
         assert_eq!(s.spent(29 * H), 0.0);
+    }
+
+    #[test]
+    fn the_reserve_is_her_operators_after_the_public_share_is_spent() {
+        let mut s = Spend::default();
+        s.add(0, 1.0);
+        // A cap of 4 with a quarter kept: the public share is 3.
+        assert_eq!(s.share(H, Some(4.0), 0.25), Share::Open);
+        s.add(2 * H, 2.5);
+        assert_eq!(
+            s.share(3 * H, Some(4.0), 0.25),
+            Share::Operators {
+                spent_usd: 3.5,
+                cap_usd: 4.0,
+                public_usd: 3.0,
+                resumes_at_ms: 24 * H
+            }
+        );
+        s.add(4 * H, 0.5);
+        assert!(matches!(
+            s.share(5 * H, Some(4.0), 0.25),
+            Share::Over { resumes_at_ms, .. } if resumes_at_ms == 24 * H
+        ));
+        // No reserve: the public share is the cap; no cap: always open.
+        assert!(matches!(s.share(5 * H, Some(4.5), 0.0), Share::Open));
+        assert_eq!(s.share(5 * H, None, 0.5), Share::Open);
+        // The window moving on opens the reserve, then the public share again.
+        assert!(matches!(
+            s.share(24 * H, Some(4.0), 0.25),
+            Share::Operators { resumes_at_ms, .. } if resumes_at_ms == 26 * H
+        ));
+        assert_eq!(s.share(26 * H, Some(4.0), 0.25), Share::Open);
     }
 
     #[test]

@@ -56,11 +56,11 @@ async fn check_names_each_problem_and_its_fix() {
         "ok    vera: model credential: API key",
         "ok    vera: prices: claude-sonnet-4-6: $3/MTok input (published)",
         "warn  vera: room #ck-lobby:localhost: not joined yet",
-        "warn  vera: budget: no daily cap",
+        "ok    vera: budget: at most $10 in any 24 hours, 25% of it kept for her operators",
     ] {
         assert!(out.contains(want), "{want:?} missing:\n{out}");
     }
-    // A daily cap is named.
+    // A daily cap of her own is named.
     let capped = dir.join("capped.toml");
     std::fs::write(
         &capped,

@@ -745,3 +745,98 @@ async fn an_invite_to_her_operators_room_sent_by_a_stranger_is_not_joined() {
         gw.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn her_budget_spent_by_a_members_mentions_leaves_her_operators_reserve_and_one_notice() {
+    let scene = Scene::new("live-reserve", Limits::Relaxed).await;
+    let mock = MockApi::start(MockConfig {
+        responder: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // Her first turn (her doctrine written to the cache for an hour) costs about $0.046, later
+    // ones about $0.004: a cap of $0.10 with half of it kept for her operators.
+    let session = format!(
+        "{}\n[persona.budget]\nusd_per_day = 0.10\noperator_reserve = 0.5\n",
+        with_turns(&session, "")
+    );
+    let (lobby, _config, gw) =
+        vera_live_in(&scene, "lv-reserve", &session, &["@ann:localhost"], "").await;
+    let bob = member(&scene, "bob", "#lv-reserve:localhost").await;
+    let dm = open_dm(&scene.ann, &gw).await;
+    let until_answered = |room: matrix_sdk::Room, who: &'static str, q: String| {
+        let ann = scene.ann.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(90);
+            loop {
+                let got = tests::live::from_vera(&ann, &room).await;
+                if got
+                    .iter()
+                    .any(|b| b.starts_with(&format!("{who}, you said \"{q}\"")))
+                {
+                    return got;
+                }
+                assert!(Instant::now() < deadline, "{q:?} was not answered: {got:?}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    dm.send(chat("Vera, good morning")).await.unwrap();
+    until_answered(dm.clone(), "ann", "Vera, good morning".into()).await;
+
+    // Bob's mentions spend the public share.
+    let mut spent_by_bob = 0;
+    for i in 1..=5 {
+        let q = format!("vera, question {i} from bob");
+        bob.send(chat(&q)).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut answered = false;
+        while Instant::now() < deadline {
+            let got = tests::live::from_vera(&scene.ann, &lobby).await;
+            if got.iter().any(|b| b.contains(&q)) {
+                answered = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        if !answered {
+            break;
+        }
+        spent_by_bob += 1;
+    }
+    assert!(
+        (1..5).contains(&spent_by_bob),
+        "the public share should end within bob's five questions, after {spent_by_bob}\nlog:\n{}",
+        gw.log()
+    );
+    // Her operator is answered from the reserve; he was told once.
+    dm.send(chat("Vera, still there?")).await.unwrap();
+    let got = until_answered(dm.clone(), "ann", "Vera, still there?".into()).await;
+    let notices: Vec<&String> = got.iter().filter(|b| b.contains("daily budget")).collect();
+    assert_eq!(notices.len(), 1, "{got:?}");
+    assert!(
+        notices[0].contains("usd_per_day") && notices[0].contains("from the reserve"),
+        "{}",
+        notices[0]
+    );
+    dm.send(chat("Vera, and now?")).await.unwrap();
+    let got = until_answered(dm.clone(), "ann", "Vera, and now?".into()).await;
+    assert_eq!(
+        got.iter().filter(|b| b.contains("daily budget")).count(),
+        1,
+        "told more than once: {got:?}"
+    );
+    // Bob still waits.
+    let q = "vera, are you ignoring me?";
+    bob.send(chat(q)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !tests::live::from_vera(&scene.ann, &lobby)
+            .await
+            .iter()
+            .any(|b| b.contains(q)),
+        "a member was answered past the public share"
+    );
+}
