@@ -1114,8 +1114,20 @@ impl TurnLoop {
                     trigger,
                     cut: to,
                 } => {
+                    // Before any model call: a batch her session could not hold whole is
+                    // split (or its one message cut), as a refused one would be, rather than
+                    // refused, compacted or started fresh.
+                    let fit = self.fit(&page.deliveries[..take]);
+                    let take = match fit {
+                        session::turn::Fit::Whole => take,
+                        session::turn::Fit::Take(n) => n,
+                        session::turn::Fit::Cut(_) => 1,
+                    };
                     let whole = &page.deliveries[..take];
                     let mut batch: Vec<Delivery> = whole.to_vec();
+                    if let (session::turn::Fit::Cut(bytes), Some(d)) = (fit, batch.first_mut()) {
+                        cut(d, bytes);
+                    }
                     if !retry {
                         self.book_start(&batch, trigger);
                     }
@@ -1123,7 +1135,11 @@ impl TurnLoop {
                         cut(d, bytes);
                     }
                     let bound = self.persona.turns.bound();
-                    let cuts = session::waiting::to_cut(&batch, &self.lines(whole), bound);
+                    let cuts = if self.rules.start == session::admission::Start::All {
+                        Vec::new()
+                    } else {
+                        session::waiting::to_cut(&batch, &self.lines(whole), bound)
+                    };
                     for i in cuts {
                         if let Some(d) = batch.get_mut(i) {
                             cut_for(d, bound.line_bytes, "it was not meant for you");
@@ -1158,6 +1174,38 @@ impl TurnLoop {
                 }
             }
         }
+    }
+
+    /// How much of `batch` fits what is left of her window after her prompt so far (and a
+    /// margin for her answer), by an estimate that errs long
+    /// ([`session::turn::BYTES_PER_TOKEN`]).
+    fn fit(&self, batch: &[Delivery]) -> session::turn::Fit {
+        // Kept free for the turn's own growth and her answer: an eighth of her window, at most
+        // 16k tokens.
+        let margin = (self.policy.context_window / 8).min(16_000);
+        let prefix = self.telemetry.prefix_tokens.max(self.prompt_tokens);
+        let room_tokens = self
+            .policy
+            .blocking_limit()
+            .saturating_sub(prefix)
+            .saturating_sub(margin);
+        let mut context = std::collections::HashSet::new();
+        let context_bytes: usize = batch
+            .iter()
+            .flat_map(|d| &d.context)
+            .filter(|c| context.insert(c.event_id.as_str()))
+            .map(|c| c.text.len())
+            .sum();
+        let room = usize::try_from(room_tokens)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(session::turn::BYTES_PER_TOKEN)
+            .saturating_sub(context_bytes);
+        let sizes: Vec<usize> = batch.iter().map(|d| d.text.len()).collect();
+        let fit = session::turn::fit(&sizes, room);
+        if fit != session::turn::Fit::Whole {
+            tracing::info!(persona = %self.persona.id, ?fit, room, prefix, "her batch would not fit her window whole: split before any model call");
+        }
+        fit
     }
 
     /// After a turn on `batch` (as stored) failed with `e`, by [`session::turn::Trouble`]:

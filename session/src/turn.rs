@@ -147,7 +147,8 @@ impl Drain {
             };
         };
         let retry = look.inflight.is_some_and(|(first, _)| head.seq == first);
-        if !retry {
+        // With every line starting a turn nothing waits to be bounded.
+        if !retry && rules.start != crate::admission::Start::All {
             let seqs = waiting::overflow(look.pending, look.lines, bound);
             if !seqs.is_empty() {
                 return Step::Retire { seqs };
@@ -217,6 +218,44 @@ pub fn after_too_long(batch: &[Delivery], shrink: Option<Shrink>) -> Option<Shri
             })
         }
         many => Some(Shrink::Deliveries(many.len() / 2)),
+    }
+}
+
+/// Bytes a token is taken for when a batch is estimated before any model call: fewer than
+/// English text averages (about four), so the estimate errs towards cutting.
+pub const BYTES_PER_TOKEN: usize = 3;
+
+/// How much of a batch to take so that it fits, estimated before any model call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// All of it.
+    Whole,
+    /// Its first this many messages; the rest waits for the next turn.
+    Take(usize),
+    /// Its first message alone, cut to this many bytes of text.
+    Cut(usize),
+}
+
+/// What of a batch of messages of `sizes` bytes fits in `room` bytes: all, its longest prefix
+/// that fits (the rest is the next turn's, as a batch refused as too long is split), or its
+/// first message cut to the room. A room under [`MIN_CUT_BYTES`] is no estimate to act on:
+/// the batch is taken whole, and the model's own refusal and [`after_too_long`] decide.
+pub fn fit(sizes: &[usize], room: usize) -> Fit {
+    if room < MIN_CUT_BYTES || sizes.iter().sum::<usize>() <= room {
+        return Fit::Whole;
+    }
+    let mut total = 0;
+    let take = sizes
+        .iter()
+        .take_while(|s| {
+            total += **s;
+            total <= room
+        })
+        .count();
+    if take > 0 {
+        Fit::Take(take)
+    } else {
+        Fit::Cut(room)
     }
 }
 
@@ -297,6 +336,17 @@ impl Trouble {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_that_would_not_fit_is_split_and_a_message_too_long_alone_is_cut() {
+        assert_eq!(fit(&[100, 200], 1000), Fit::Whole);
+        // Three pastes in room for two: two now, the third next turn.
+        assert_eq!(fit(&[20_000, 20_000, 20_000], 45_000), Fit::Take(2));
+        // One too long alone: cut to the room, never below the floor.
+        assert_eq!(fit(&[60 * 1024, 500], 20 * 1024), Fit::Cut(20 * 1024));
+        // No room worth the name: the model decides.
+        assert_eq!(fit(&[60 * 1024], 10), Fit::Whole);
+    }
 
     #[test]
     fn a_refused_batch_is_degraded_once_then_set_aside() {

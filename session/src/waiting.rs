@@ -20,6 +20,7 @@
 //!   its window.
 //!
 //! Her operators' lines and DM lines are never retired or cut here: they are hers to answer.
+//! With `start = "all"` every line starts a turn, so none waits and none is bounded or cut.
 
 use wire::docs::Delivery;
 
