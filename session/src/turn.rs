@@ -571,6 +571,15 @@ mod tests {
             ),
             Step::Idle { .. }
         ));
+        // With every line starting a turn, none waits to be bounded.
+        let all = Rules {
+            start: crate::admission::Start::All,
+            ..Rules::default()
+        };
+        assert!(matches!(
+            Drain::new(false).next(&look(&pending, &quiet), &a, &all, None, MAX, bound),
+            Step::Turn { take: 20, .. }
+        ));
         // The batch in flight at a crash is taken again whole, bound or not.
         let inflight = Look {
             inflight: Some((1, 20)),
