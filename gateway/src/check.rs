@@ -109,8 +109,14 @@ pub async fn check(path: &Path) -> Vec<Line> {
         ),
     )];
     out.push(state_dir(&cfg.state_dir));
+    let mail = mail(&cfg);
     for p in &cfg.personas {
         out.extend(persona(&cfg, p).await);
+        out.extend(
+            mail.iter()
+                .filter(|(id, _)| *id == p.id)
+                .map(|(_, l)| l.clone()),
+        );
     }
     out.extend(cultnet(&cfg));
     out
@@ -207,6 +213,69 @@ fn state_dir(dir: &Path) -> Line {
             "restore the state directory from a backup",
         ),
     }
+}
+
+/// What her inbox holds back, read when no gateway has it open: a full inbox (her rooms wait
+/// on the homeserver until CultNet clients acknowledge), batches set aside (the model API kept
+/// refusing them), and what her rules retired. Per Persona id.
+fn mail(cfg: &Config) -> Vec<(String, Line)> {
+    let path = cfg.state_dir.join("inbox");
+    if !path.exists() {
+        return Vec::new();
+    }
+    let Ok(inbox) = crate::inbox::Inbox::open(&path) else {
+        // Locked by a running gateway, or broken: the state line says which.
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in &cfg.personas {
+        let subject = format!("{}: mail", p.id);
+        let counts = inbox.counts(&p.id).unwrap_or_default();
+        let max = p.limits.max_pending;
+        if counts.pending >= max {
+            out.push((
+                p.id.clone(),
+                bad(
+                    Level::Warn,
+                    &subject,
+                    format!(
+                        "her inbox is full ({} pending of limits.max_pending {max}): her rooms wait on the homeserver until her mail is acknowledged (her operators' DMs and invites still come)",
+                        counts.pending
+                    ),
+                    "run the CultNet client that reads and acknowledges her mail, or raise limits.max_pending",
+                ),
+            ));
+        } else {
+            out.push((
+                p.id.clone(),
+                ok(
+                    &subject,
+                    format!("{} pending of at most {max}", counts.pending),
+                ),
+            ));
+        }
+        let aside = inbox.set_aside_list(&p.id).unwrap_or_default();
+        if !aside.is_empty() {
+            let ids: Vec<String> = aside.iter().map(|a| a.id.to_string()).collect();
+            out.push((
+                p.id.clone(),
+                bad(
+                    Level::Warn,
+                    &format!("{}: set aside", p.id),
+                    format!(
+                        "{} batch(es) the model API kept refusing are set aside, unanswered (ids {})",
+                        aside.len(),
+                        ids.join(", ")
+                    ),
+                    format!(
+                        "with the gateway running: cultnet-gateway client ... session --persona {} retry --batch ID (or drop --batch ID)",
+                        p.id
+                    ),
+                ),
+            ));
+        }
+    }
+    out
 }
 
 fn writable(dir: &Path) -> std::io::Result<()> {
@@ -808,4 +877,53 @@ fn cultnet(cfg: &Config) -> Vec<Line> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_inbox_and_a_batch_set_aside_are_named_with_their_fix() {
+        let dir = crate::scratch::Dir::new("check-mail");
+        let cfg = Config::parse(&format!(
+            "state_dir = \"{}\"\n[[persona]]\nid = \"mira\"\nhomeserver = \"http://127.0.0.1:8008\"\nuser_id = \"@mira:localhost\"\ndevice_id = \"CULTNET-MIRA\"\naccess_token_file = \"/tmp/mira.token\"\nrooms = []\noperators = []\n[persona.limits]\nmax_pending = 2\n",
+            dir.display()
+        ))
+        .unwrap();
+        let inbox = crate::inbox::Inbox::open(&dir.join("inbox")).unwrap();
+        let d = |id: &str| wire::docs::Delivery {
+            event_id: id.into(),
+            room_id: "!r".into(),
+            text: "x".into(),
+            ..Default::default()
+        };
+        inbox.ingest("mira", "t", &[d("$1"), d("$2")]).unwrap();
+        let text = |lines: Vec<(String, Line)>| {
+            lines
+                .iter()
+                .map(|(_, l)| l.to_string())
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        drop(inbox);
+        let out = text(mail(&cfg));
+        assert!(
+            out.contains("warn  mira: mail: her inbox is full (2 pending"),
+            "{out}"
+        );
+        let inbox = crate::inbox::Inbox::open(&dir.join("inbox")).unwrap();
+        let first = inbox.pending("mira", 0, 1, None).unwrap().deliveries;
+        inbox.set_aside("mira", &first, "HTTP 400", 1).unwrap();
+        drop(inbox);
+        let out = text(mail(&cfg));
+        assert!(
+            out.contains("ok    mira: mail: 1 pending of at most 2"),
+            "{out}"
+        );
+        assert!(
+            out.contains("set aside") && out.contains("retry --batch ID"),
+            "{out}"
+        );
+    }
 }

@@ -172,6 +172,12 @@ async fn a_chatty_room_never_keeps_her_from_her_operator() {
         status["retired_lines"].as_u64().unwrap_or(0) >= 40,
         "{status}"
     );
+    let out = tests::matrix::run_cli(&["status"], &config);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("holds back:") && table.contains("retired into her rooms' context"),
+        "{table}"
+    );
 }
 
 /// Mail through `after` for vera: a page of at most 100.
@@ -235,6 +241,25 @@ async fn a_full_inbox_still_takes_her_operators_dm() {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(metric(&gw, "sync_held_back") > 0.0 || gw.log().contains("her inbox is full"));
+    // Her status says she holds back, and why.
+    let st: wire::docs::GatewayStatus = c
+        .request(
+            ids::STATUS_REQUEST,
+            "status-full",
+            &wire::docs::StatusRequest {
+                persona: Some("vera".into()),
+            },
+        )
+        .await
+        .unwrap();
+    let vera = &st.personas[0];
+    assert_eq!(vera.sync_state, "held", "{vera:?}");
+    assert!(
+        vera.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("her inbox is full")),
+        "{vera:?}"
+    );
 
     // Her operator's DM: joined, and his line stored though her inbox is full.
     let dm = open_dm(&scene.ann, &gw).await;

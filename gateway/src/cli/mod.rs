@@ -405,6 +405,24 @@ fn status(config: &std::path::Path, json: bool) -> Result<(), Failure> {
                 .or(v["error"].as_str())
                 .unwrap_or("-"),
         );
+        // What she holds back, and why.
+        let mut held = Vec::new();
+        if let Some(n) = v["retired_lines"].as_u64().filter(|n| *n > 0) {
+            held.push(format!(
+                "{n} waiting line(s) retired into her rooms' context (turns.waiting_lines)"
+            ));
+        }
+        if let Some(a) = v["set_aside"].as_array().filter(|a| !a.is_empty()) {
+            let ids: Vec<String> = a.iter().map(|b| b["batch"].to_string()).collect();
+            held.push(format!(
+                "{} batch(es) set aside, the model API refused them (ids {}: session retry|drop --batch ID)",
+                a.len(),
+                ids.join(", ")
+            ));
+        }
+        if !held.is_empty() {
+            println!("{:<12} holds back: {}", "", held.join("; "));
+        }
     }
     println!(
         "(cost: the last {} turns; --json for everything)",

@@ -54,13 +54,24 @@ impl Service {
                         pending_count: c.pending,
                         highest_seq: c.highest,
                         acked_through: c.acked_through,
-                        last_error: port.failed.clone().or_else(|| {
-                            port.signals
-                                .session_error
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .clone()
-                        }),
+                        last_error: port
+                            .failed
+                            .clone()
+                            .or_else(|| {
+                                port.signals
+                                    .session_error
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .clone()
+                            })
+                            .or_else(|| {
+                                (c.pending >= port.max_pending).then(|| {
+                                    format!(
+                                        "held: her inbox is full ({} pending of limits.max_pending {}): her rooms wait on the homeserver until her mail is acknowledged; her operators' DMs and invites still come",
+                                        c.pending, port.max_pending
+                                    )
+                                })
+                            }),
                     }
                 })
                 .collect(),
