@@ -269,13 +269,8 @@ impl OverBudget {
                 cap_usd,
                 resumes_at_ms,
                 ..
-            } => Some(Self {
-                spent_usd,
-                cap_usd,
-                resumes_at_ms,
-                operators_only: true,
-            }),
-            Share::Over {
+            }
+            | Share::Over {
                 spent_usd,
                 cap_usd,
                 resumes_at_ms,
@@ -283,7 +278,7 @@ impl OverBudget {
                 spent_usd,
                 cap_usd,
                 resumes_at_ms,
-                operators_only: false,
+                operators_only: matches!(share, Share::Operators { .. }),
             }),
         }
     }

@@ -355,3 +355,52 @@ pub async fn request_turn(
     .await
     .expect("a turn receipt")
 }
+
+/// Her turns since ledger entry `from`: the mock's answered requests that are not a
+/// compaction's summary.
+pub fn turns_since(mock: &MockApi, from: usize) -> Vec<crate::mock_api::LedgerEntry> {
+    mock.ledger()[from..]
+        .iter()
+        .filter(|e| e.status == 200 && !e.is_summary())
+        .cloned()
+        .collect()
+}
+
+/// `name`, registered and joined to the room `alias`: that room as they see it.
+pub async fn member(scene: &crate::matrix::Scene, name: &str, alias: &str) -> matrix_sdk::Room {
+    scene.hs.register(name, &format!("{name}-pw"));
+    let c = crate::matrix::user_client(
+        &scene.url,
+        name,
+        &format!("{name}-pw"),
+        &scene.dir.join(name),
+    )
+    .await;
+    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from(alias).expect("a room alias");
+    c.join_room_by_id_or_alias(&alias, &[])
+        .await
+        .expect("joined")
+}
+
+/// An operator's verb on vera's session (`batch` for `retry` and `drop`, `model` for `model`)
+/// under request id `key`, and its receipt.
+pub async fn control(
+    c: &mut gateway::client::Client,
+    key: &str,
+    action: wire::docs::ControlAction,
+    model: Option<&str>,
+    batch: Option<u64>,
+) -> wire::docs::ControlReceipt {
+    c.request(
+        wire::docs::ids::CONTROL_REQUEST,
+        key,
+        &wire::docs::ControlRequest {
+            persona: "vera".into(),
+            action,
+            model: model.map(str::to_owned),
+            batch,
+        },
+    )
+    .await
+    .expect("a control receipt")
+}

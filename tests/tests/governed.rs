@@ -17,25 +17,14 @@ use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
 use serde_json::json;
 use tests::live::{
-    from_vera, live_section, request_turn, until_joined, vera_live_in, wait_for_reply, with_turns,
+    from_vera, live_section, member, request_turn, turns_since, until_joined, vera_live_in,
+    wait_for_reply, with_turns,
 };
-use tests::matrix::{
-    add_metrics, public_room, scrape, user_client, write_config, GatewayProcess, Scene,
-};
+use tests::matrix::{add_metrics, public_room, scrape, write_config, GatewayProcess, Scene};
 use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
 use tests::procfs::{children, Watch};
 use tests::synapse::Limits;
 use wire::docs::Status;
-
-/// Her turns since ledger entry `from`: the mock's answered requests that are not a
-/// compaction's summary.
-fn turns_since(mock: &MockApi, from: usize) -> Vec<LedgerEntry> {
-    mock.ledger()[from..]
-        .iter()
-        .filter(|e| e.status == 200 && !e.is_summary())
-        .cloned()
-        .collect()
-}
 
 /// How many times `line` (a whole chat line's text) was sent to the model in `turns`.
 fn shown(turns: &[LedgerEntry], line: &str) -> usize {
@@ -44,20 +33,6 @@ fn shown(turns: &[LedgerEntry], line: &str) -> usize {
         .iter()
         .map(|e| e.last_user_text.matches(&needle).count())
         .sum()
-}
-
-/// `name`, registered and joined to the room `alias`: that room as she sees it.
-async fn member(scene: &Scene, name: &str, alias: &str) -> matrix_sdk::Room {
-    scene.hs.register(name, &format!("{name}-pw"));
-    let c = user_client(
-        &scene.url,
-        name,
-        &format!("{name}-pw"),
-        &scene.dir.join(name),
-    )
-    .await;
-    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from(alias).unwrap();
-    c.join_room_by_id_or_alias(&alias, &[]).await.unwrap()
 }
 
 /// Waits until the mock has had no request for `quiet`.

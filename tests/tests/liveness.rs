@@ -14,38 +14,16 @@ use std::time::{Duration, Instant};
 use ed25519_dalek::SigningKey;
 use gateway::client::Client;
 use matrix_sdk::ruma::events::room::message::RoomMessageEventContent;
-use tests::live::{client_block, live_section, open_dm, vera_live_in, wait_for_reply, with_turns};
+use tests::live::{
+    client_block, control, live_section, member, open_dm, turns_since, vera_live_in,
+    wait_for_reply, with_turns,
+};
 use tests::matrix::{add_metrics, scrape, user_client, GatewayProcess, Scene};
-use tests::mock_api::{LedgerEntry, MockApi, MockConfig};
+use tests::mock_api::{MockApi, MockConfig};
 use tests::synapse::Limits;
 use wire::docs::{
-    ids, AckReceipt, AckRequest, ControlAction, ControlReceipt, ControlRequest, PendingPage,
-    PendingRequest, SetAsideBatch, Status,
+    ids, AckReceipt, AckRequest, ControlAction, PendingPage, PendingRequest, SetAsideBatch, Status,
 };
-
-/// Her turns since ledger entry `from`: the mock's answered requests that are not a
-/// compaction's summary.
-fn turns_since(mock: &MockApi, from: usize) -> Vec<LedgerEntry> {
-    mock.ledger()[from..]
-        .iter()
-        .filter(|e| e.status == 200 && !e.is_summary())
-        .cloned()
-        .collect()
-}
-
-/// `name`, registered and joined to the room `alias`: that room as they see it.
-async fn member(scene: &Scene, name: &str, alias: &str) -> matrix_sdk::Room {
-    scene.hs.register(name, &format!("{name}-pw"));
-    let c = user_client(
-        &scene.url,
-        name,
-        &format!("{name}-pw"),
-        &scene.dir.join(name),
-    )
-    .await;
-    let alias = matrix_sdk::ruma::OwnedRoomOrAliasId::try_from(alias).unwrap();
-    c.join_room_by_id_or_alias(&alias, &[]).await.unwrap()
-}
 
 /// The metric `name` for vera in a scrape of `gw`'s metrics (0 when absent).
 fn metric(gw: &GatewayProcess, name: &str) -> f64 {
@@ -59,23 +37,69 @@ fn chat(text: &str) -> RoomMessageEventContent {
     RoomMessageEventContent::text_plain(text)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chatty_room_never_keeps_her_from_her_operator() {
-    let scene = Scene::new("live-chatty", Limits::Relaxed).await;
+/// The mock (answering every line addressed to her, `latency` before each answer) and vera
+/// live with her default turn rules and `extra` after her session section (limits, a budget,
+/// a client block), in a new public room `#ALIAS:localhost` that ann made, ann her operator:
+/// the mock, the room, her config and the running gateway once she has joined.
+async fn vera_live(
+    scene: &Scene,
+    alias: &str,
+    latency: Duration,
+    extra: &str,
+) -> (
+    MockApi,
+    matrix_sdk::Room,
+    std::path::PathBuf,
+    GatewayProcess,
+) {
     let mock = MockApi::start(MockConfig {
         responder: true,
+        latency,
         ..MockConfig::default()
     })
     .await
-    .unwrap();
+    .expect("the mock");
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    let session = with_turns(&session, "");
+    let (room, config, gw) = vera_live_in(scene, alias, &session, &["@ann:localhost"], extra).await;
+    (mock, room, config, gw)
+}
+
+/// Waits (up to `secs`) until vera has said in `room` a line that starts with `start`, as
+/// ann sees it; her lines there.
+async fn until_said(
+    scene: &Scene,
+    room: &matrix_sdk::Room,
+    start: &str,
+    secs: u64,
+    gw: &GatewayProcess,
+) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let got = tests::live::from_vera(&scene.ann, room).await;
+        if got.iter().any(|b| b.starts_with(start)) {
+            return got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "she never said {start:?}: {got:?}\nlog:\n{}",
+            gw.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chatty_room_never_keeps_her_from_her_operator() {
+    let scene = Scene::new("live-chatty", Limits::Relaxed).await;
     // Her default turn rules; an inbox that 60 waiting lines would fill three times over.
-    let session = format!(
-        "{}\n[persona.limits]\nmax_pending = 30\n",
-        with_turns(&session, "")
-    );
-    let (room, config, gw) =
-        vera_live_in(&scene, "lv-chatty", &session, &["@ann:localhost"], "").await;
+    let (mock, room, config, gw) = vera_live(
+        &scene,
+        "lv-chatty",
+        Duration::ZERO,
+        "\n[persona.limits]\nmax_pending = 30\n",
+    )
+    .await;
     drop(gw);
     add_metrics(&config, "127.0.0.1:0");
     let gw = GatewayProcess::start(&config);
@@ -107,20 +131,14 @@ async fn a_chatty_room_never_keeps_her_from_her_operator() {
     let before = mock.ledger().len();
     let dm = open_dm(&scene.ann, &gw).await;
     dm.send(chat("Vera, are you there?")).await.unwrap();
-    let answer = "ann, you said \"Vera, are you there?\"";
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let got = tests::live::from_vera(&scene.ann, &dm).await;
-        if got.iter().any(|b| b.starts_with(answer)) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "she never answered her operator's DM: {got:?}\nlog:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    until_said(
+        &scene,
+        &dm,
+        "ann, you said \"Vera, are you there?\"",
+        90,
+        &gw,
+    )
+    .await;
     let turns = turns_since(&mock, before);
     assert_eq!(
         turns.len(),
@@ -350,26 +368,6 @@ fn refused_runs(mock: &MockApi) -> usize {
     runs
 }
 
-async fn control(
-    c: &mut Client,
-    key: &str,
-    action: ControlAction,
-    batch: Option<u64>,
-) -> ControlReceipt {
-    c.request(
-        ids::CONTROL_REQUEST,
-        key,
-        &ControlRequest {
-            persona: "vera".into(),
-            action,
-            model: None,
-            batch,
-        },
-    )
-    .await
-    .expect("a control receipt")
-}
-
 /// Waits until her status lists a set-aside batch; its id.
 async fn until_set_aside(c: &mut Client, gw: &GatewayProcess, n: usize) -> Vec<SetAsideBatch> {
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -378,6 +376,7 @@ async fn until_set_aside(c: &mut Client, gw: &GatewayProcess, n: usize) -> Vec<S
             c,
             &format!("st{}", deadline.elapsed().as_millis()),
             ControlAction::Status,
+            None,
             None,
         )
         .await;
@@ -396,19 +395,11 @@ async fn until_set_aside(c: &mut Client, gw: &GatewayProcess, n: usize) -> Vec<S
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_flows() {
     let scene = Scene::new("live-refused", Limits::Relaxed).await;
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
     let ops = SigningKey::from_bytes(&[22; 32]);
-    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
-    let (lobby, _config, gw) = vera_live_in(
+    let (mock, lobby, _config, gw) = vera_live(
         &scene,
         "lv-refused",
-        &with_turns(&session, ""),
-        &["@ann:localhost"],
+        Duration::ZERO,
         &client_block("ops", &ops, &["vera"], &["session", "status"]),
     )
     .await;
@@ -436,22 +427,14 @@ async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_
     // Her operator's next line is answered, and she is told what was set aside.
     let dm = open_dm(&scene.ann, &gw).await;
     dm.send(chat("Vera, are you there?")).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let got = tests::live::from_vera(&scene.ann, &dm).await;
-        if got
-            .iter()
-            .any(|b| b.starts_with("ann, you said \"Vera, are you there?\""))
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "her operator's DM was not answered after the set-aside batch: {got:?}\nlog:\n{}",
-            gw.log()
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    until_said(
+        &scene,
+        &dm,
+        "ann, you said \"Vera, are you there?\"",
+        90,
+        &gw,
+    )
+    .await;
     let turns = turns_since(&mock, requests);
     assert_eq!(turns.len(), 1, "one turn for his DM");
     assert!(
@@ -467,7 +450,14 @@ async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_
     );
 
     // Retried, it is refused again and set aside again (under its new id); dropped, it is gone.
-    let r = control(&mut c, "retry", ControlAction::Retry, Some(aside[0].batch)).await;
+    let r = control(
+        &mut c,
+        "retry",
+        ControlAction::Retry,
+        None,
+        Some(aside[0].batch),
+    )
+    .await;
     assert_eq!(r.status, Status::Ok, "{r:?}");
     let deadline = Instant::now() + Duration::from_secs(120);
     let again = loop {
@@ -475,6 +465,7 @@ async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_
             &mut c,
             &format!("st2{}", deadline.elapsed().as_millis()),
             ControlAction::Status,
+            None,
             None,
         )
         .await;
@@ -494,9 +485,23 @@ async fn a_batch_the_api_refuses_is_tried_degraded_once_then_set_aside_and_mail_
         4,
         "the retry was tried whole and degraded, no more"
     );
-    let r = control(&mut c, "drop", ControlAction::Drop, Some(again[0].batch)).await;
+    let r = control(
+        &mut c,
+        "drop",
+        ControlAction::Drop,
+        None,
+        Some(again[0].batch),
+    )
+    .await;
     assert_eq!((r.status, r.set_aside.len()), (Status::Ok, 0), "{r:?}");
-    let r = control(&mut c, "drop2", ControlAction::Drop, Some(again[0].batch)).await;
+    let r = control(
+        &mut c,
+        "drop2",
+        ControlAction::Drop,
+        None,
+        Some(again[0].batch),
+    )
+    .await;
     assert_eq!(r.status, Status::Rejected, "{r:?}");
     c.close().await;
 }
@@ -512,21 +517,7 @@ fn status_file(scene: &Scene) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_lines_meant_for_no_one_cost_her_neither_dollars_nor_her_conversation() {
     let scene = Scene::new("live-long", Limits::Relaxed).await;
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
-    let (lobby, _config, gw) = vera_live_in(
-        &scene,
-        "lv-long",
-        &with_turns(&session, ""),
-        &["@ann:localhost"],
-        "",
-    )
-    .await;
+    let (mock, lobby, _config, gw) = vera_live(&scene, "lv-long", Duration::ZERO, "").await;
     let bob = member(&scene, "bob", "#lv-long:localhost").await;
     let answer = |q: &str| {
         format!(
@@ -611,22 +602,8 @@ async fn a_member_naming_her_in_a_thread_of_his_choosing_does_not_steer_her_answ
 {
     let scene = Scene::new("live-steer", Limits::Relaxed).await;
     // Her first turn takes a while: what is said meanwhile waits for the next one.
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        latency: Duration::from_secs(4),
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
-    let (lobby, _config, gw) = vera_live_in(
-        &scene,
-        "lv-steer",
-        &with_turns(&session, ""),
-        &["@ann:localhost"],
-        "",
-    )
-    .await;
+    let (mock, lobby, _config, gw) =
+        vera_live(&scene, "lv-steer", Duration::from_secs(4), "").await;
     let bob = member(&scene, "bob", "#lv-steer:localhost").await;
     let root = bob
         .send(chat("my own little thread"))
@@ -774,42 +751,19 @@ async fn an_invite_to_her_operators_room_sent_by_a_stranger_is_not_joined() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn her_budget_spent_by_a_members_mentions_leaves_her_operators_reserve_and_one_notice() {
     let scene = Scene::new("live-reserve", Limits::Relaxed).await;
-    let mock = MockApi::start(MockConfig {
-        responder: true,
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    let (session, _) = live_section(&scene.dir, &mock, 2000, "");
     // Her first turn (her doctrine written to the cache for an hour) costs about $0.046, later
     // ones about $0.004: a cap of $0.10 with half of it kept for her operators.
-    let session = format!(
-        "{}\n[persona.budget]\nusd_per_day = 0.10\noperator_reserve = 0.5\n",
-        with_turns(&session, "")
-    );
-    let (lobby, _config, gw) =
-        vera_live_in(&scene, "lv-reserve", &session, &["@ann:localhost"], "").await;
+    let (_mock, lobby, _config, gw) = vera_live(
+        &scene,
+        "lv-reserve",
+        Duration::ZERO,
+        "\n[persona.budget]\nusd_per_day = 0.10\noperator_reserve = 0.5\n",
+    )
+    .await;
     let bob = member(&scene, "bob", "#lv-reserve:localhost").await;
     let dm = open_dm(&scene.ann, &gw).await;
-    let until_answered = |room: matrix_sdk::Room, who: &'static str, q: String| {
-        let ann = scene.ann.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(90);
-            loop {
-                let got = tests::live::from_vera(&ann, &room).await;
-                if got
-                    .iter()
-                    .any(|b| b.starts_with(&format!("{who}, you said \"{q}\"")))
-                {
-                    return got;
-                }
-                assert!(Instant::now() < deadline, "{q:?} was not answered: {got:?}");
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-        }
-    };
     dm.send(chat("Vera, good morning")).await.unwrap();
-    until_answered(dm.clone(), "ann", "Vera, good morning".into()).await;
+    until_said(&scene, &dm, "ann, you said \"Vera, good morning\"", 90, &gw).await;
 
     // Bob's mentions spend the public share.
     let mut spent_by_bob = 0;
@@ -838,7 +792,7 @@ async fn her_budget_spent_by_a_members_mentions_leaves_her_operators_reserve_and
     );
     // Her operator is answered from the reserve; he was told once.
     dm.send(chat("Vera, still there?")).await.unwrap();
-    let got = until_answered(dm.clone(), "ann", "Vera, still there?".into()).await;
+    let got = until_said(&scene, &dm, "ann, you said \"Vera, still there?\"", 90, &gw).await;
     let notices: Vec<&String> = got.iter().filter(|b| b.contains("daily budget")).collect();
     assert_eq!(notices.len(), 1, "{got:?}");
     assert!(
@@ -847,7 +801,7 @@ async fn her_budget_spent_by_a_members_mentions_leaves_her_operators_reserve_and
         notices[0]
     );
     dm.send(chat("Vera, and now?")).await.unwrap();
-    let got = until_answered(dm.clone(), "ann", "Vera, and now?".into()).await;
+    let got = until_said(&scene, &dm, "ann, you said \"Vera, and now?\"", 90, &gw).await;
     assert_eq!(
         got.iter().filter(|b| b.contains("daily budget")).count(),
         1,

@@ -27,8 +27,8 @@ use tests::matrix::{public_room, write_config, GatewayProcess, Scene};
 use tests::mock_api::{Fault, LedgerEntry, MockApi, MockConfig};
 use tests::synapse::Limits;
 use wire::docs::{
-    ids, ControlAction, ControlReceipt, ControlRequest, ExtensionAckReceipt, ExtensionAckRequest,
-    ExtensionPage, ExtensionPendingRequest, NoteReceipt, NoteRequest, Status,
+    ids, ControlAction, ExtensionAckReceipt, ExtensionAckRequest, ExtensionPage,
+    ExtensionPendingRequest, NoteReceipt, NoteRequest, Status,
 };
 
 fn note(id: &str, kind: &str, text: &str) -> NoteRequest {
@@ -45,26 +45,6 @@ async fn put_note(c: &mut Client, n: &NoteRequest) -> NoteReceipt {
     c.request(ids::NOTE_REQUEST, &format!("note-{}", n.note_id), n)
         .await
         .unwrap()
-}
-
-async fn control(
-    c: &mut Client,
-    key: &str,
-    action: ControlAction,
-    model: Option<&str>,
-) -> ControlReceipt {
-    c.request(
-        ids::CONTROL_REQUEST,
-        key,
-        &ControlRequest {
-            persona: "vera".into(),
-            action,
-            model: model.map(str::to_owned),
-            batch: None,
-        },
-    )
-    .await
-    .unwrap()
 }
 
 /// A client line for the config: one of vera's.
@@ -279,7 +259,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
         assert!(Instant::now() < deadline, "the turn never reached the API");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let reset = control(&mut c, "reset-1", ControlAction::Reset, None).await;
+    let reset = tests::live::control(&mut c, "reset-1", ControlAction::Reset, None, None).await;
     let said = from_vera(ann, &lobby).await;
     assert!(
         said.iter().any(|b| b == "fifth answer"),
@@ -322,7 +302,7 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
             e.user_text
         );
     }
-    let st = control(&mut c, "status-1", ControlAction::Status, None).await;
+    let st = tests::live::control(&mut c, "status-1", ControlAction::Status, None, None).await;
     assert_eq!(st.session_id.as_deref(), Some(new.as_str()));
     c.close().await;
     assert!(gw.stop().success());
@@ -506,7 +486,7 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     let prefix_before = before["input_tokens"].as_u64().unwrap()
         + before["cache_read_tokens"].as_u64().unwrap()
         + before["cache_write_tokens"].as_u64().unwrap();
-    let compact = control(&mut o, "c1", ControlAction::Compact, None).await;
+    let compact = tests::live::control(&mut o, "c1", ControlAction::Compact, None, None).await;
     assert_eq!(compact.status, Status::Ok, "{compact:?}");
     let after = compact.prefix_tokens.expect("the prefix after compacting");
     assert!(
@@ -534,7 +514,14 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     assert_eq!(last.value, json!({"brief": "keep: the wiki plan"}));
     assert!(!from_vera(ann, &lobby).await.iter().any(|b| b == "not sent"));
     c.close().await;
-    let switch = control(&mut o, "m1", ControlAction::Model, Some("claude-opus-4-6")).await;
+    let switch = tests::live::control(
+        &mut o,
+        "m1",
+        ControlAction::Model,
+        Some("claude-opus-4-6"),
+        None,
+    )
+    .await;
     assert_eq!(
         (switch.status, switch.model.as_str()),
         (Status::Ok, "claude-opus-4-6"),
@@ -558,13 +545,13 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
     let mut o = Client::connect(gw.cultnet_addr(), "ops", &ops, Duration::from_secs(30))
         .await
         .unwrap();
-    let st = control(&mut o, "s1", ControlAction::Status, None).await;
+    let st = tests::live::control(&mut o, "s1", ControlAction::Status, None, None).await;
     assert_eq!(st.model, "claude-opus-4-6");
     // An organ may not use operators' verbs.
     let mut c = Client::connect(gw.cultnet_addr(), "organ", &organ, Duration::from_secs(30))
         .await
         .unwrap();
-    let refused = control(&mut c, "r1", ControlAction::Reset, None).await;
+    let refused = tests::live::control(&mut c, "r1", ControlAction::Reset, None, None).await;
     assert_eq!(refused.status, Status::Rejected);
     assert!(refused.error.unwrap_or_default().contains("Session"));
     c.close().await;
