@@ -1037,6 +1037,20 @@ impl TurnLoop {
                 let (a, b) = v.split_once('-')?;
                 Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?))
             });
+            // A waiting line its author (or a moderator) deleted is dropped from her mail (a
+            // batch in flight keeps its lines: it was shown, or is about to be, as it was).
+            let deleted: Vec<u64> = page
+                .deliveries
+                .iter()
+                .filter(|d| d.text == crate::event::DELETED)
+                .filter(|d| inflight.is_none_or(|(a, b)| d.seq < a || d.seq > b))
+                .map(|d| d.seq)
+                .collect();
+            if !deleted.is_empty() {
+                tracing::info!(persona = %id, lines = deleted.len(), "deleted lines dropped from her mail");
+                self.inbox.retire(&id, &deleted)?;
+                continue;
+            }
             let wake_note =
                 page.deliveries.is_empty() && self.inbox.pending_notes(&id)?.iter().any(|n| n.wake);
             let budget = self.budget();

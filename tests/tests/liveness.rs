@@ -106,10 +106,15 @@ async fn a_chatty_room_never_keeps_her_from_her_operator() {
     let bob = member(&scene, "bob", "#lv-chatty:localhost").await;
     let _ = room;
 
+    let mut regret = None;
     for i in 1..=60 {
-        bob.send(chat(&format!("chatter {i:03} about lunch")))
+        let sent = bob
+            .send(chat(&format!("chatter {i:03} about lunch")))
             .await
             .unwrap();
+        if i == 59 {
+            regret = Some(sent.response.event_id);
+        }
     }
     // The lines reach her inbox and, past the room's bound, are retired into context.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -148,6 +153,11 @@ async fn a_chatty_room_never_keeps_her_from_her_operator() {
     );
     assert!(turns[0].last_user_text.contains("Vera, are you there?"));
 
+    // Bob deletes one of his waiting lines: it is dropped from her mail.
+    bob.redact(&regret.expect("line 59"), None, None)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
     // Back in the room her operator asks her: the room's newest lines reach that turn, the
     // oldest were retired past what she is shown.
     let before = mock.ledger().len();
@@ -181,6 +191,11 @@ async fn a_chatty_room_never_keeps_her_from_her_operator() {
     assert!(
         !text.contains("chatter 001"),
         "the oldest line was not retired:\n{text}"
+    );
+    assert!(
+        !text.contains("chatter 059")
+            && !text.contains("(@bob:localhost): (this message was deleted)"),
+        "a deleted line reached her as mail:\n{text}"
     );
     let status: serde_json::Value = serde_json::from_slice(
         &std::fs::read(scene.dir.join("state/personas/vera/status.json")).unwrap(),
