@@ -491,6 +491,7 @@ impl Ear {
                             Some(mut c) => {
                                 c.context = std::mem::take(&mut d.context);
                                 self.stats.decrypted_late.fetch_add(1, Ordering::Relaxed);
+                                tracing::info!(persona = %self.persona.id, event = %c.event_id, "written before her device existed: decrypted at once with the key from her backup");
                                 deliveries.push(c);
                             }
                             None => {
