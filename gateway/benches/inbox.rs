@@ -8,6 +8,11 @@
 //! a compaction; then the same deliveries with `compact_if_wasteful` every 10,000 (as the
 //! gateway runs it: peak and final bytes); then how long compacting a 40 MB backlog holds the
 //! inbox.
+//! Then a busy room as a live Persona's turn loop meets it: responses of 10 lines meant for no
+//! one, each followed by the retire of everything past the room's newest 20 (with one line
+//! older than them all still pending, so the retired seqs stay holes above the watermark):
+//! retire latency, and `counts` (which every pending, ack and status request reads) with those
+//! holes against an inbox without.
 //! `cargo bench -p gateway --bench inbox`; `RESPONSES=N` (default 300); `DISK_DELIVERIES=N`
 //! (default 1,000,000; 0 skips).
 
@@ -73,10 +78,62 @@ fn main() {
         us(pct(99))
     );
     drop(dir);
+    busy_room(responses);
     let deliveries = support::env_count("DISK_DELIVERIES", 1_000_000);
     disk(deliveries);
     disk_checked(deliveries);
     held_with_a_backlog();
+}
+
+/// A busy room: `responses` responses of 10 waiting lines, each followed by the retire of all
+/// but the newest 20 (one older line, meant for her, stays pending throughout).
+fn busy_room(responses: u64) {
+    let (_dir, inbox) = fresh("busy");
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let first = support::response(u64::MAX)[..1].to_vec();
+    inbox.ingest("mira", "s-first", &first).expect("ingest");
+    let mut retire = Vec::new();
+    for r in 0..responses {
+        let batch = support::response(r)[..10].to_vec();
+        inbox
+            .ingest("mira", &format!("s{r}"), &batch)
+            .expect("ingest");
+        let page = inbox.pending("mira", 0, 1000, None).expect("pending");
+        let waiting = &page.deliveries[1..];
+        let over: Vec<u64> = waiting[..waiting.len().saturating_sub(20)]
+            .iter()
+            .map(|d| d.seq)
+            .collect();
+        let t0 = Instant::now();
+        inbox.retire("mira", &over).expect("retire");
+        retire.push(t0.elapsed());
+    }
+    retire.sort();
+    let pct = |v: &[Duration], p: usize| v[(v.len() * p / 100).min(v.len() - 1)];
+    let counts_time = |inbox: &Inbox| {
+        let n = 20_000;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(inbox.counts("mira").expect("counts"));
+        }
+        t0.elapsed() / n
+    };
+    let with_holes = counts_time(&inbox);
+    let c = inbox.counts("mira").expect("counts");
+    let (_plain_dir, plain) = fresh("plain");
+    plain
+        .ingest("mira", "s", &support::response(0)[..21])
+        .expect("ingest");
+    let without = counts_time(&plain);
+    println!(
+        "busy room, {responses} responses of 10 lines, all but the newest 20 retired after each: retire p50 {:.0} us, p99 {:.0} us; {} pending of {} stored; counts {:.2} us with the retired holes, {:.2} us without",
+        us(pct(&retire, 50)),
+        us(pct(&retire, 99)),
+        c.pending,
+        c.highest,
+        us(with_holes),
+        us(without),
+    );
 }
 
 fn lines_of(batch: &[wire::docs::Delivery]) -> Vec<TimelineLine> {
