@@ -562,6 +562,7 @@ impl TurnLoop {
         let failed: Option<ApiFailure> = learned(&inbox, &persona.id, FAILED)?;
         let totals: Option<KeptTotals> = learned(&inbox, &persona.id, TOTALS)?;
         let admission: Admission = learned(&inbox, &persona.id, ADMISSION)?;
+        let trouble: Option<session::turn::Trouble> = learned(&inbox, &persona.id, TROUBLE)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
             telemetry,
@@ -571,7 +572,7 @@ impl TurnLoop {
             fired: None,
             failed,
             shrink: None,
-            trouble: None,
+            trouble,
             degrade: false,
             telling: Vec::new(),
             spend,
@@ -1175,7 +1176,7 @@ impl TurnLoop {
                         }
                         Ok(()) => {
                             self.shrink = None;
-                            self.trouble = None;
+                            self.set_trouble(None);
                             self.told();
                         }
                         Err(e) => self.after_failure(whole, e)?,
@@ -1225,7 +1226,7 @@ impl TurnLoop {
         let first = batch.first().map_or(0, |d| d.seq);
         let fault = fault_of(&e);
         let (trouble, next) = Trouble::after(self.trouble, first, fault);
-        self.trouble = trouble;
+        self.set_trouble(trouble);
         match next {
             Next::Retry => Err(e),
             Next::Degrade => {
@@ -1256,6 +1257,14 @@ impl TurnLoop {
                 self.refresh_set_aside();
                 Ok(())
             }
+        }
+    }
+
+    /// Sets (and stores, when it changed) what failed turns on her oldest batch left.
+    fn set_trouble(&mut self, trouble: Option<session::turn::Trouble>) {
+        if self.trouble != trouble {
+            self.trouble = trouble;
+            self.keep_learned(TROUBLE, &self.trouble);
         }
     }
 
@@ -2727,6 +2736,9 @@ const REPLY: &str = "reply";
 const CORRECTION: &str = "correction";
 /// The turn the model API failed on (an [`ApiFailure`]), until a turn is committed.
 const FAILED: &str = "failed";
+/// What failed turns on her oldest batch left (a [`session::turn::Trouble`]), until it goes
+/// through or is set aside.
+const TROUBLE: &str = "trouble";
 /// What the policy knows of her session between turns (a [`KeptPolicy`]).
 const POLICY: &str = "policy";
 /// Her session's running totals at its last result (a [`KeptTotals`]), so that the first

@@ -286,8 +286,9 @@ pub enum Next {
     SetAside,
 }
 
-/// What failed turns on her oldest batch left (kept between turns by the edge).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What failed turns on her oldest batch left (kept between turns by the edge, and across a
+/// restart of the gateway, so a crash loop does not retry a refused batch for ever).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Trouble {
     /// The batch's first seq.
     first: u64,
@@ -353,6 +354,10 @@ mod tests {
         let (t, next) = Trouble::after(None, 7, Fault::Refused);
         assert_eq!(next, Next::Degrade);
         assert!(Trouble::degraded(t, 7));
+        // Kept across a restart: read back, it is as it was.
+        let back: Option<Trouble> =
+            serde_json::from_str(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(back, t);
         assert!(!Trouble::degraded(t, 8), "another batch is shown whole");
         // Degraded and refused again: set aside, and nothing is left of it.
         assert_eq!(Trouble::after(t, 7, Fault::Refused), (None, Next::SetAside));
