@@ -20,6 +20,8 @@
 //! - [`attempt`]: how one turn runs once its batch is chosen (a pure state machine: what the
 //!   edge knows and each action's result in, the next action out): the policy's fresh start
 //!   or compaction, the text sent, a dead process replaced, a refusal as too long, an API error.
+//! - [`correction`]: the note her next batch carries when her last reply went nowhere, whole
+//!   or in part, and when it is cleared.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
 //! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
@@ -33,6 +35,7 @@
 pub mod admission;
 pub mod attempt;
 pub mod budget;
+pub mod correction;
 pub mod cost;
 pub mod driver;
 pub mod handle;

@@ -28,7 +28,6 @@ impl TurnLoop {
         let mut kept = false;
         let (says, extensions, outcome) = match self.schema.validate(output, &allowed_refs) {
             Ok(reply) => {
-                self.note = None;
                 if let (Some(output), false) = (output, reply.say.is_empty()) {
                     let value = serde_json::json!({ "turn": turn_id, "output": output });
                     self.inbox
@@ -118,19 +117,20 @@ impl TurnLoop {
                     }
                 }
                 let sent = reply.say.len() - refused.len();
-                let outcome = if refused.is_empty() {
-                    "sent".to_owned()
-                } else {
-                    let note = render::unsent_says_note(&refused, reply.say.len());
-                    let outcome = format!("sent {sent} of {}: {note}", reply.say.len());
-                    self.note = Some(note);
-                    outcome
+                self.note = session::correction::after(session::correction::Handled::Read {
+                    says: reply.say.len(),
+                    refused: &refused,
+                });
+                let outcome = match &self.note {
+                    None => "sent".to_owned(),
+                    Some(note) => format!("sent {sent} of {}: {note}", reply.say.len()),
                 };
                 (sent, reply.extensions, outcome)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reply not sent");
-                self.note = Some(e.correction_note());
+                self.note =
+                    session::correction::after::<&str>(session::correction::Handled::Unread(&e));
                 (0, Vec::new(), e.to_string())
             }
         };
