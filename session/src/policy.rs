@@ -510,5 +510,33 @@ pub fn next_check(t: &Telemetry, c: &PolicyConfig, fired: Option<Instant>) -> Op
         .min()
 }
 
+/// What her idle timer does when it fires, from the policy's decision and what holds around it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Idle {
+    /// Refresh her cache (a keep-warm fork of her session).
+    KeepWarm,
+    /// Stop her idle process (her session stays on disk).
+    Evict,
+    /// Nothing now.
+    Nothing,
+    /// A keep-warm the policy wanted, skipped: her spend is past the public share of her cap
+    /// (what is left is her operators' turns), or past the cap. Not tried again before her next
+    /// turn.
+    SkipForBudget,
+}
+
+/// The idle action for `decision`, when she has a session (`has_session`) and her budget is
+/// open (`budget_open`: below the public share of her cap). Only a keep-warm depends on them: it
+/// needs a session to fork, and it is spend no one asked for, so it waits for an open budget.
+pub fn idle(decision: Decision, has_session: bool, budget_open: bool) -> Idle {
+    match decision {
+        Decision::KeepWarm if !has_session => Idle::Nothing,
+        Decision::KeepWarm if !budget_open => Idle::SkipForBudget,
+        Decision::KeepWarm => Idle::KeepWarm,
+        Decision::Evict => Idle::Evict,
+        _ => Idle::Nothing,
+    }
+}
+
 #[cfg(test)]
 mod tests;

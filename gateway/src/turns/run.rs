@@ -163,17 +163,17 @@ impl TurnLoop {
         tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.telemetry, "idle decision");
         self.metrics
             .decision(&self.persona.id, decision_name(&decision));
-        match decision {
-            Decision::KeepWarm => {
+        let open = self.budget().is_none();
+        match policy::idle(decision, self.status.session_id.is_some(), open) {
+            policy::Idle::SkipForBudget => {
+                tracing::info!(persona = %self.persona.id, "keep-warm skipped: her budget is kept for her operators' turns, or spent");
+                // Not again before her next turn.
+                self.telemetry.last_cache_touch = None;
+            }
+            policy::Idle::KeepWarm => {
                 let Some(sid) = self.status.session_id.clone() else {
                     return;
                 };
-                if self.over_budget() {
-                    tracing::info!(persona = %self.persona.id, "keep-warm skipped: over her budget");
-                    // Not again before her next turn.
-                    self.telemetry.last_cache_touch = None;
-                    return;
-                }
                 match session::driver::refresh_fork(&self.base, &sid).await {
                     Ok(r) => {
                         let usage = r.usage.usage();
@@ -210,11 +210,11 @@ impl TurnLoop {
                     }
                 }
             }
-            Decision::Evict => {
+            policy::Idle::Evict => {
                 self.shutdown().await;
                 self.telemetry.process = Process::Stopped;
             }
-            _ => {}
+            policy::Idle::Nothing => {}
         }
     }
 }

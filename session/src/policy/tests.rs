@@ -714,3 +714,13 @@ fn each_request_of_a_bounced_turn_pays_rent() {
     small.book_earlier_reads(&[20_000], &prices);
     assert_eq!(small.excess_read_cost, 0.0);
 }
+
+#[test]
+fn a_keep_warm_needs_a_session_and_an_open_budget() {
+    assert_eq!(idle(Decision::KeepWarm, true, true), Idle::KeepWarm);
+    assert_eq!(idle(Decision::KeepWarm, false, true), Idle::Nothing);
+    assert_eq!(idle(Decision::KeepWarm, true, false), Idle::SkipForBudget);
+    // Evicting costs nothing: the budget does not hold it.
+    assert_eq!(idle(Decision::Evict, true, false), Idle::Evict);
+    assert_eq!(idle(Decision::Continue, true, true), Idle::Nothing);
+}
