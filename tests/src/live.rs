@@ -134,8 +134,9 @@ pub fn turns_on_request(session: &str) -> String {
 
 /// A live `[persona.session]` section with her doctrine at `prompt`, the mock's URL, a
 /// `credential` line (`api_key_file = ...` or `oauth_token_file = ...`) and `extra` lines:
-/// turns start 200 ms after the last mail (1 s at most) and may take 60 s. Every line starts
-/// a turn ([`EVERY_LINE_STARTS_A_TURN`], in a `[persona.turns]` before it).
+/// turns start 200 ms after the last mail (1 s at most) and may take 60 s. Her turn rules are
+/// the defaults users get; a test that needs others says so with [`with_turns`] or
+/// [`every_line`].
 pub fn session_section(
     prompt: &std::path::Path,
     mock: &MockApi,
@@ -144,9 +145,6 @@ pub fn session_section(
 ) -> String {
     format!(
         r#"
-[persona.turns]
-{every}
-
 [persona.session]
 mode = "live"
 claude = "{claude}"
@@ -161,20 +159,25 @@ turn_timeout_secs = 60
         claude = crate::claude_cli::executable().display(),
         prompt = prompt.display(),
         api = mock.url(),
-        every = EVERY_LINE_STARTS_A_TURN,
     )
 }
 
-/// The `[persona.turns]` lines [`session_section`] writes: every line starts a turn, with no
-/// per-sender or bot-exchange limit to speak of (the rules the tests written before them
-/// assume). A test of the rules replaces them whole ([`with_turns`]).
+/// `[persona.turns]` lines under which every line starts a turn, with no per-sender or
+/// bot-exchange limit to speak of: not what users get, so only a test that says why uses them
+/// ([`every_line`]).
 pub const EVERY_LINE_STARTS_A_TURN: &str =
     "start = \"all\"\nper_sender_per_hour = 1000000\nbot_exchanges = 1000000";
 
-/// `session` (from [`session_section`]) with `[persona.turns]` lines `turns` instead.
+/// `session` (from [`session_section`]) with `[persona.turns]` lines `turns` before it.
 pub fn with_turns(session: &str, turns: &str) -> String {
-    assert!(session.contains(EVERY_LINE_STARTS_A_TURN), "{session}");
-    session.replacen(EVERY_LINE_STARTS_A_TURN, turns, 1)
+    assert!(!session.contains("[persona.turns]"), "{session}");
+    format!("\n[persona.turns]\n{turns}\n{session}")
+}
+
+/// `session` with every line starting a turn ([`EVERY_LINE_STARTS_A_TURN`]): for a test of
+/// something else (sessions, sends, restarts) that counts one turn per line it sends.
+pub fn every_line(session: &str) -> String {
+    with_turns(session, EVERY_LINE_STARTS_A_TURN)
 }
 
 /// The operator opens an encrypted DM with vera and waits until she has joined.

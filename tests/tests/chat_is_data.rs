@@ -121,6 +121,8 @@ async fn a_members_name_and_bodies_cannot_forge_her_sections() {
 
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let ops = SigningKey::from_bytes(&[31; 32]);
     let config = write_config(
         &dir,

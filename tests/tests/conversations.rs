@@ -39,6 +39,8 @@ async fn her_answer_to_a_line_in_a_thread_stays_in_the_thread() {
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let (lobby, _, gw) = vera_live_in(&scene, "ct-lobby", &session, &[], "").await;
     let room = lobby.room_id().to_string();
     mock.script(json!({"say": [{"room": room, "text": "hello all"}]}));
@@ -222,6 +224,8 @@ async fn she_sees_what_a_reply_answers_and_answers_a_line_by_its_handle_with_a_p
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let (lobby, _, gw) = vera_live_in(&scene, "cr-lobby", &session, &[], "").await;
     let room = lobby.room_id().to_string();
     let noon = said_in(&lobby, "vera, the deploy is at noon").await;
@@ -278,6 +282,8 @@ async fn an_edit_is_answered_once_and_she_can_correct_her_own_line() {
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     // Her turns wait 4 s for more lines, so an edit made at once lands in the same batch.
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let session = session.replace("debounce_ms = 200\n", "debounce_ms = 4000\n");
     assert!(session.contains("debounce_ms = 4000"), "{session}");
     let (lobby, _, gw) = vera_live_in(&scene, "ce-lobby", &session, &[], "").await;
@@ -353,6 +359,8 @@ async fn her_operators_reaction_to_her_reaches_her_and_she_reacts_by_handle() {
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let (lobby, _, gw) = vera_live_in(&scene, "cx-lobby", &session, &["@ann:localhost"], "").await;
     let room = lobby.room_id().to_string();
     // She acknowledges a line with a reaction, and answers.
@@ -402,6 +410,8 @@ async fn an_operators_encrypted_dm_written_before_her_first_start_is_answered_on
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let config = tests::live::operated(
         &scene,
         &format!("{session}\n[persona.limits]\nundecryptable_wait_secs = 3\n"),
@@ -454,6 +464,8 @@ async fn media_in_an_encrypted_dm_reach_her_as_an_image_a_text_and_a_description
     let ann = &scene.ann;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&scene.dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let config = tests::live::operated(&scene, &session);
     let gw = tests::matrix::GatewayProcess::start(&config);
     let dm = tests::live::open_dm(ann, &gw).await;

@@ -513,6 +513,8 @@ fn vera_live(
     extra: &str,
 ) -> (std::path::PathBuf, std::path::PathBuf) {
     let (session, prompt) = live_section(&scene.dir, mock, sentences, extra);
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     (tests::live::operated(scene, &session), prompt)
 }
 
@@ -850,6 +852,8 @@ async fn a_cultnet_turn_request_starts_her_turn_at_once() {
     let lobby = public_room(ann, "tr-lobby").await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 200, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let session = tests::live::turns_on_request(&session);
     let heart = SigningKey::from_bytes(&[9; 32]);
     let public = public_hex(&heart);
@@ -1034,6 +1038,8 @@ async fn a_reply_whose_send_failed_is_sent_as_given_once_the_homeserver_takes_it
     let proxy = FaultProxy::start(&url).await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 100, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let config = write_config(
         &dir,
         &proxy.url(),

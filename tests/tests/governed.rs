@@ -75,6 +75,8 @@ async fn at_her_daily_cap_her_mail_waits_and_a_higher_cap_answers_it_once() {
     let room = lobby.room_id().to_string();
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 2000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     // A cap her first turn (a cache write of her doctrine) already passes.
     let budget = |usd: &str| format!("{session}\n[persona.budget]\nusd_per_day = {usd}\n");
     let config = write_config(

@@ -112,6 +112,8 @@ async fn notes_reach_her_next_batch_and_a_reset_starts_from_the_latest() {
     let room = lobby.room_id().to_string();
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, prompt) = live_section(&dir, &mock, 3000, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let mind = SigningKey::from_bytes(&[11; 32]);
     let config = write_config(
         &dir,
@@ -368,6 +370,8 @@ async fn extensions_reach_a_client_once_and_session_verbs_hold() {
             schema.display()
         ),
     );
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let organ = SigningKey::from_bytes(&[12; 32]);
     let ops = SigningKey::from_bytes(&[13; 32]);
     let config = write_config(
@@ -634,6 +638,8 @@ async fn a_refused_key_holds_her_batch_until_rotated_and_an_oauth_token_stays_hi
     let ops = SigningKey::from_bytes(&[14; 32]);
     let persona = |id: &str, token: &str, cred: &str| {
         let session = tests::live::session_section(&dir.join(format!("{id}.md")), &mock, cred, "");
+        // One turn per line this test sends: not the rules users get.
+        let session = tests::live::every_line(&session);
         tests::matrix::persona_block(
             &dir,
             id,
@@ -807,6 +813,8 @@ async fn vera_in(
     rooms: &[(&str, &matrix_sdk::Room)],
 ) -> (std::path::PathBuf, GatewayProcess) {
     let (session, _) = live_section(&scene.dir, mock, 800, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let aliases: Vec<String> = rooms
         .iter()
         .map(|(alias, _)| format!("#{alias}:localhost"))

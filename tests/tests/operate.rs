@@ -46,6 +46,8 @@ async fn metrics_move_with_mail_turns_sends_and_refusals() {
         800,
         "prices = { input = 2.0, cache_read_ratio = 0.05 }",
     );
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     // Turns only on request, so the pending mail can be seen before it is answered.
     let session = tests::live::turns_on_request(&session);
     let heart = SigningKey::from_bytes(&[21; 32]);
@@ -237,6 +239,8 @@ async fn sigterm_lets_a_turn_end_in_its_grace_or_retries_it_after_the_restart() 
     let room = lobby.room_id().to_string();
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 800, "shutdown_grace_secs = 5\n");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let config = write_config(
         &dir,
         &url,
@@ -335,6 +339,8 @@ async fn sighup_adds_removes_and_changes_personas_while_another_keeps_answering(
     .await
     .unwrap();
     let (session, _) = live_section(&dir, &mock, 200, "");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let mut tokens = HashMap::new();
     tokens.insert("vera", scene.vera_token.clone());
     for who in ["mira", "otto"] {
@@ -483,6 +489,8 @@ async fn the_report_of_a_200_turn_run_shows_every_series_and_decision() {
     .await
     .unwrap();
     let (session, _) = live_section(&dir, &mock, 400, "context_window = 50000\n");
+    // One turn per line this test sends: not the rules users get.
+    let session = tests::live::every_line(&session);
     let session = session
         .replace("debounce_ms = 200", "debounce_ms = 20")
         .replace("max_wait_ms = 1000", "max_wait_ms = 100");
