@@ -48,7 +48,7 @@ use session::render::{self, Note, ReplySchema, Seen};
 use session::turn::{Drain, Look, Shrink, Step};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
-use wire::docs::{ControlAction, ControlReceipt, ControlRequest, Delivery, SendRequest, Status};
+use wire::docs::{ControlReceipt, ControlRequest, Delivery, SendRequest, Status};
 
 use crate::config::Persona;
 use crate::ear::Signals;

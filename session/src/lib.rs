@@ -22,6 +22,7 @@
 //!   or compaction, the text sent, a dead process replaced, a refusal as too long, an API error.
 //! - [`correction`]: the note her next batch carries when her last reply went nowhere, whole
 //!   or in part, and when it is cleared.
+//! - [`verbs`]: what each of her operators' verbs does given her state, and how it is answered.
 //! - [`proto`]: the CLI's stream-json events (typed, tolerant) and the stdin lines.
 //!
 //! And at the edge, [`driver`]: one claude process (spawn, readiness, a turn, its timeout,
@@ -44,4 +45,5 @@ pub mod proto;
 pub mod render;
 pub mod turn;
 pub mod untrusted;
+pub mod verbs;
 pub mod waiting;

@@ -1,51 +1,51 @@
 //! Her operators' verbs on her session (status, reset, compact, model, retry and drop of a
 //! set-aside batch), applied between turns.
 
+use session::verbs::{self, Perform, Performed};
+
 use super::*;
 
 impl TurnLoop {
-    /// Applies an operator's verb (between turns) and answers it.
+    /// Applies an operator's verb (between turns) and answers it: what it does is decided by
+    /// [`session::verbs::perform`], performed here, answered by [`session::verbs::answer`].
     pub(super) async fn apply_control(&mut self, c: Control) {
         let action = c.request.action;
         tracing::info!(persona = %self.persona.id, ?action, model = ?c.request.model, "session verb");
+        let her = verbs::Her {
+            has_session: self.status.session_id.is_some(),
+            over_budget: self
+                .over_budget()
+                .then(|| self.status.over_budget.map(|o| o.describe()))
+                .flatten(),
+        };
         let mut previous = None;
-        let result: Result<(), String> = match action {
-            ControlAction::Status => Ok(()),
-            ControlAction::Reset => {
+        let performed = match verbs::perform(&c.request, &her) {
+            Perform::Answer(status, why) => Err((status, why)),
+            Perform::Report => Ok(Performed::Done),
+            Perform::EndSession => {
                 previous = self.status.session_id.clone();
-                self.retire_session("operator reset").await
+                Ok(self.end_session("operator reset").await)
             }
-            ControlAction::Compact => {
-                if self.status.session_id.is_none() {
-                    Err("she has no session to compact yet".to_owned())
-                } else if self.over_budget() {
-                    Err(self
-                        .status
-                        .over_budget
-                        .map(|o| o.describe())
-                        .unwrap_or_default())
-                } else {
-                    let before = self.telemetry.prefix_tokens;
-                    match self.compact_on_request().await {
-                        Ok(true) => {
-                            tracing::info!(
-                                before,
-                                after = self.telemetry.prefix_tokens,
-                                "compacted on request"
-                            );
-                            Ok(())
-                        }
-                        Ok(false) => {
-                            Err("the CLI did not compact; she starts fresh instead".to_owned())
-                        }
-                        Err(e) => Err(e.to_string()),
+            Perform::Compact => {
+                let before = self.telemetry.prefix_tokens;
+                Ok(match self.compact_on_request().await {
+                    Ok(true) => {
+                        tracing::info!(
+                            before,
+                            after = self.telemetry.prefix_tokens,
+                            "compacted on request"
+                        );
+                        Performed::Done
                     }
-                }
+                    Ok(false) => Performed::Failed(
+                        "the CLI did not compact; she starts fresh instead".to_owned(),
+                    ),
+                    Err(e) => Performed::Failed(e.to_string()),
+                })
             }
-            ControlAction::Model => match c.request.model.as_deref().map(str::trim) {
-                Some(m) if !m.is_empty() && m.len() <= 128 => {
-                    previous = self.status.session_id.clone();
-                    let m = m.to_owned();
+            Perform::SwitchModel(m) => {
+                previous = self.status.session_id.clone();
+                Ok(
                     match self
                         .inbox
                         .set_session_value(&self.persona.id, "model", Some(&m))
@@ -55,52 +55,19 @@ impl TurnLoop {
                             self.policy.prices = self.prices;
                             self.base.model = m.clone();
                             self.status.model = m;
-                            self.retire_session("model switch").await
+                            self.end_session("model switch").await
                         }
-                        Err(e) => Err(e.to_string()),
-                    }
-                }
-                _ => Err("a model switch needs a model name (1 to 128 bytes)".to_owned()),
-            },
-            ControlAction::Retry | ControlAction::Drop => match c.request.batch {
-                None => Err("retry and drop name a set-aside batch (--batch ID)".to_owned()),
-                Some(batch) => {
-                    let id = &self.persona.id;
-                    let done = if action == ControlAction::Retry {
-                        self.inbox.retry_set_aside(id, batch).map(|s| s.is_some())
-                    } else {
-                        self.inbox.drop_set_aside(id, batch)
-                    };
-                    match done {
-                        Ok(true) => {
-                            tracing::info!(persona = %id, batch, ?action, "set-aside batch");
-                            if action == ControlAction::Retry {
-                                self.signals.mail.notify_one();
-                            }
-                            Ok(())
-                        }
-                        Ok(false) => Err(format!("she has no set-aside batch {batch}")),
-                        Err(e) => Err(e.to_string()),
-                    }
-                }
-            },
-            ControlAction::Unknown => Err("unknown session action".to_owned()),
+                        Err(e) => Performed::Failed(e.to_string()),
+                    },
+                )
+            }
+            Perform::Retry(batch) => Ok(self.set_aside(batch, true)),
+            Perform::Drop(batch) => Ok(self.set_aside(batch, false)),
         };
         self.refresh_set_aside();
-        let (status, error) = match result {
-            Ok(()) => (Status::Ok, None),
-            Err(e)
-                if matches!(
-                    action,
-                    ControlAction::Unknown
-                        | ControlAction::Model
-                        | ControlAction::Retry
-                        | ControlAction::Drop
-                ) =>
-            {
-                (Status::Rejected, Some(e))
-            }
-            Err(e) => (Status::Failed, Some(e)),
+        let (status, error) = match performed {
+            Ok(p) => verbs::answer(p),
+            Err((status, why)) => (status, Some(why)),
         };
         self.save_status();
         let receipt = ControlReceipt {
@@ -120,18 +87,39 @@ impl TurnLoop {
         let _ = c.reply.send(receipt);
     }
 
+    /// Puts a set-aside batch back into her mail (`retry`, and wakes her loop) or drops it.
+    fn set_aside(&mut self, batch: u64, retry: bool) -> Performed {
+        let id = &self.persona.id;
+        let done = if retry {
+            self.inbox.retry_set_aside(id, batch).map(|s| s.is_some())
+        } else {
+            self.inbox.drop_set_aside(id, batch)
+        };
+        match done {
+            Ok(true) => {
+                tracing::info!(persona = %id, batch, retry, "set-aside batch");
+                if retry {
+                    self.signals.mail.notify_one();
+                }
+                Performed::Done
+            }
+            Ok(false) => Performed::NoSuchBatch(batch),
+            Err(e) => Performed::Failed(e.to_string()),
+        }
+    }
+
     /// Ends her session for good (its transcript stays on disk, resumable by its id) and
     /// starts a fresh one at the next turn.
-    pub(super) async fn retire_session(&mut self, why: &str) -> Result<(), String> {
-        if let Some(old) = self.status.session_id.clone() {
-            self.status.previous_sessions.push(old);
-            let n = self.status.previous_sessions.len();
-            if n > 20 {
-                self.status.previous_sessions.drain(..n - 20);
-            }
-        }
+    async fn end_session(&mut self, why: &str) -> Performed {
+        verbs::keep_previous(
+            &mut self.status.previous_sessions,
+            self.status.session_id.clone(),
+        );
         self.shutdown().await;
-        self.fresh_start(why).map_err(|e| e.to_string())
+        match self.fresh_start(why) {
+            Ok(()) => Performed::Done,
+            Err(e) => Performed::Failed(e.to_string()),
+        }
     }
 
     /// Her operator's compaction, performed as her attempt decides it ([`Attempt::compaction`]):
