@@ -67,8 +67,8 @@ mod run;
 mod verbs;
 
 use attempt::respawning;
-pub use records::{append_history, read_history};
-use records::{learned, prices_for, OverBudget};
+pub use records::{append_history, read_history, RecordKind, TurnRecord};
+use records::{learned, prices_for, Records, StatusFile};
 
 /// CLI runs per text in one turn (a process that dies, a resume that fails, is retried).
 pub use session::attempt::ATTEMPTS;
@@ -140,120 +140,8 @@ impl TurnError {
     }
 }
 
-/// What a history record is: one of her turns, or what her session cost between turns.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RecordKind {
-    /// A turn: a batch (or notes) shown, her reply handled.
-    #[default]
-    Turn,
-    /// The turn before a planned compaction that asks her what to keep (says not sent).
-    Checkpoint,
-    /// A `/compact`. The CLI reports no usage for it: its tokens are the step of the session's
-    /// running totals, or, without an earlier result of the session in this run to step
-    /// from, an estimate (the conversation sent uncached, the size it kept as output).
-    Compaction,
-    /// A keep-warm refresh (a one-token fork of her session that reads its prefix).
-    Refresh,
-}
-
-/// One record of her history (`turns.jsonl`; her turns also in the status file).
-#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
-#[serde(default)]
-pub struct TurnRecord {
-    /// A turn, or what her session cost between turns (older records: a turn).
-    pub kind: RecordKind,
-    /// Batch seqs.
-    pub first_seq: u64,
-    /// Batch seqs.
-    pub last_seq: u64,
-    /// Session generation.
-    pub generation: u64,
-    /// Wall time of the turn (ms), CLI included.
-    pub duration_ms: u64,
-    /// Input tokens not from cache.
-    pub input_tokens: u64,
-    /// Cache reads.
-    pub cache_read_tokens: u64,
-    /// Cache writes.
-    pub cache_write_tokens: u64,
-    /// Output tokens.
-    pub output_tokens: u64,
-    /// Share of the prompt read from cache.
-    pub hit_ratio: f64,
-    /// The CLI's own cumulative cost estimate.
-    pub cli_cost_usd: f64,
-    /// Says sent.
-    pub says: usize,
-    /// Notes shown.
-    pub notes: usize,
-    /// Extension fields queued.
-    pub extensions: usize,
-    /// The policy's decision before the turn.
-    pub decision: String,
-    /// Billed cost by the price table (dollars).
-    pub cost_usd: f64,
-    /// What became of the reply.
-    pub outcome: String,
-    /// When it ended (ms since the epoch).
-    pub at_ms: i64,
-    /// Its prompt in tokens (uncached + cache reads + cache writes).
-    pub prefix_tokens: u64,
-    /// Where the policy acts (tokens).
-    pub watermark_tokens: u64,
-    /// The model's context window (tokens).
-    pub window_tokens: u64,
-    /// What a rebuild (a new session given the rehydration, as the old design did every turn)
-    /// would cost now, dollars.
-    pub rebuild_usd: f64,
-    /// What a fresh start of her session would cost now, dollars: the rebuild, and the recent
-    /// lines of her rooms this session holds that the rehydration leaves out, which their next
-    /// batches would show again (the price the ski-rental rule weighs).
-    pub fresh_start_usd: f64,
-}
-
-#[derive(Debug, Default, Serialize, serde::Deserialize)]
-#[serde(default)]
-struct StatusFile {
-    persona: String,
-    session_id: Option<String>,
-    generation: u64,
-    turns_total: u64,
-    /// Compactions carried out (by `/compact`).
-    #[serde(default)]
-    compactions: u64,
-    /// Keep-warm refreshes made.
-    #[serde(default)]
-    refreshes: u64,
-    /// What she cost outside her turns (refreshes, compactions, checkpoints), dollars; with
-    /// her turns' costs, what the model API billed for her.
-    #[serde(default)]
-    upkeep_usd: f64,
-    turns: VecDeque<TurnRecord>,
-    /// Her model (the configured one, or the last operator's switch).
-    #[serde(default)]
-    model: String,
-    /// Sessions before a reset or model switch, newest last (each still resumable).
-    #[serde(default)]
-    previous_sessions: Vec<String>,
-    /// Why her session cannot take turns now (`unauthorized: ...`), until a turn succeeds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    last_error: Option<String>,
-    /// Her spend has reached her daily cap: nothing that costs starts before it resumes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    over_budget: Option<OverBudget>,
-    /// Waiting lines retired from her mail into her rooms' context, in all.
-    #[serde(default)]
-    retired_lines: u64,
-    /// Her batches set aside (the model API kept refusing them), oldest first.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    set_aside: Vec<wire::docs::SetAsideBatch>,
-    /// When her operator was told she stopped for her budget (until she is within it again).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    budget_notice_at_ms: Option<i64>,
-}
-
-/// A Persona's turn loop.
+/// A Persona's turn loop: her wiring (persona, inbox, mouth, signals, channels), and her state
+/// in five owned parts, each named for the concern that changes it.
 pub struct TurnLoop {
     persona: Persona,
     inbox: Inbox,
@@ -264,43 +152,69 @@ pub struct TurnLoop {
     /// Operators' verbs (from CultNet clients with the `session` verb).
     pub controls: mpsc::Sender<Control>,
     control_rx: mpsc::Receiver<Control>,
+    /// Where her turns, tokens, cost, decisions and budget are counted.
+    metrics: Arc<Metrics>,
+    /// Her claude process and how it is started.
+    claude: Claude,
+    /// What the refresh policy knows of her session, and its configuration.
+    refresh: Refresh,
+    /// What her next turn carries beside her mail.
+    carry: Carry,
+    /// What starts her turns, and what is left of a batch that failed.
+    gate: Gate,
+    /// Her status file, history and spend.
+    records: Records,
+}
+
+/// Her claude process, the configuration it is started with, and her place in the
+/// gateway-wide cap on live processes.
+struct Claude {
+    /// Her CLI configuration without a session.
     base: CliConfig,
     schema: Arc<ReplySchema>,
     cli: Option<Cli>,
-    seen: Seen,
-    /// The correction after a bad reply, for the next batch.
-    note: Option<String>,
-    /// Lines in her history file (counted on first use).
-    history_lines: Option<usize>,
-    /// The gateway was restarted since her last turn: her next batch says so.
-    restarted: bool,
+    /// Her system prompt file's hash (a resume after it changed gives the new prompt).
     prompt_hash: String,
-    status_path: PathBuf,
-    status: StatusFile,
+    /// Her system prompt's size in tokens (estimated).
+    prompt_tokens: u64,
+    /// The gateway-wide cap on live processes (`[sessions] max_live`), and her slot in it
+    /// while her process lives.
+    processes: Option<Arc<Processes>>,
+    slot: Option<LiveSlot>,
+    /// She is asked to stop her idle process to make room for another Persona's.
+    evict: Arc<Notify>,
+}
+
+/// What the refresh policy knows of her session, and its configuration.
+struct Refresh {
     telemetry: Telemetry,
     policy: PolicyConfig,
     prices: Prices,
-    prompt_tokens: u64,
+    /// When the policy's idle timer fired last.
     fired: Option<Instant>,
-    /// Her session's running totals at its last result, so that each record bills what the
-    /// API billed since ([`TurnLoop::billed`]); stored, so a restart of the gateway keeps
-    /// them for the session it resumes.
-    billed_so_far: Option<KeptTotals>,
+}
+
+/// What her next turn carries beside her mail.
+struct Carry {
+    /// What her session has seen (not shown again).
+    seen: Seen,
+    /// The correction after a bad reply, for the next batch.
+    note: Option<String>,
+    /// The gateway was restarted since her last turn: her next batch says so.
+    restarted: bool,
     /// A turn the model API failed on: its id, the session whose transcript holds its text,
     /// the status.
     failed: Option<ApiFailure>,
-    /// After a batch that no session could hold: how much of it the next turn takes.
-    shrink: Option<Shrink>,
-    /// What failed turns on her oldest batch left: degraded next, or counted towards its
-    /// being set aside.
-    trouble: Option<session::turn::Trouble>,
     /// The turn being composed shows its batch degraded (media as descriptions).
     degrade: bool,
     /// Set-aside batches the turn being composed tells her of (marked told once it goes
     /// through).
     telling: Vec<u64>,
-    /// What she was billed in the last 24 hours, against her daily cap.
-    spend: session::budget::Spend,
+}
+
+/// What starts her turns (her rules and who started them lately), and what failed turns on
+/// her oldest batch left.
+struct Gate {
     /// Who started her turns lately, by her `[persona.turns]` rules (stored).
     admission: Admission,
     /// Her rules for what starts a turn.
@@ -310,14 +224,11 @@ pub struct TurnLoop {
     /// When waiting mail may start a turn without new mail (a sender's hour or the ambient
     /// interval running out), ms since the epoch.
     recheck_at_ms: Option<i64>,
-    /// The gateway-wide cap on live processes (`[sessions] max_live`), and her slot in it
-    /// while her process lives.
-    processes: Option<Arc<Processes>>,
-    slot: Option<LiveSlot>,
-    /// She is asked to stop her idle process to make room for another Persona's.
-    evict: Arc<Notify>,
-    /// Where her turns, tokens, cost, decisions and budget are counted.
-    metrics: Arc<Metrics>,
+    /// After a batch that no session could hold: how much of it the next turn takes.
+    shrink: Option<Shrink>,
+    /// What failed turns on her oldest batch left: degraded next, or counted towards its
+    /// being set aside.
+    trouble: Option<session::turn::Trouble>,
 }
 
 /// The instant a message was said, `said_ms` on the homeserver's clock, placed on this
@@ -414,17 +325,6 @@ impl TurnLoop {
             set_aside: Vec::new(),
             budget_notice_at_ms: earlier.budget_notice_at_ms,
         };
-        // Her spend in the last 24 hours, from her history (every billed record is there),
-        // when she has a cap to hold it against (a new cap comes with a restart of her loop).
-        let mut spend = session::budget::Spend::default();
-        if persona.budget.usd_per_day.is_some() {
-            let since = crate::clock::unix_ms() - session::budget::WINDOW_MS;
-            for r in read_history(&status_path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
-                if r.at_ms > since {
-                    spend.add(r.at_ms, r.cost_usd);
-                }
-            }
-        }
         // She has had turns before: her first batch in this run says she was restarted.
         let restarted = status.turns_total > 0;
         let (controls, control_rx) = mpsc::channel(CONTROL_QUEUE);
@@ -461,28 +361,40 @@ impl TurnLoop {
         let trouble: Option<session::turn::Trouble> = learned(&inbox, &persona.id, TROUBLE)?;
         let billed_so_far = totals.filter(|t| Some(&t.session) == status.session_id.as_ref());
         Ok(Self {
-            telemetry,
-            policy: persona.session.policy(base.cache_ttl, prices),
-            prices,
-            prompt_tokens,
-            fired: None,
-            failed,
-            shrink: None,
-            trouble,
-            degrade: false,
-            telling: Vec::new(),
-            spend,
-            admission,
-            rules: persona.turns.rules(),
-            bots: persona.turns.bots.clone(),
-            recheck_at_ms: None,
-            processes: None,
-            slot: None,
-            evict: Arc::new(Notify::new()),
+            refresh: Refresh {
+                telemetry,
+                policy: persona.session.policy(base.cache_ttl, prices),
+                prices,
+                fired: None,
+            },
+            carry: Carry {
+                seen,
+                note,
+                restarted,
+                failed,
+                degrade: false,
+                telling: Vec::new(),
+            },
+            gate: Gate {
+                admission,
+                rules: persona.turns.rules(),
+                bots: persona.turns.bots.clone(),
+                recheck_at_ms: None,
+                shrink: None,
+                trouble,
+            },
+            records: Records::new(status, status_path, &persona, billed_so_far),
+            claude: Claude {
+                prompt_hash: hash_file(&base.system_prompt_file),
+                prompt_tokens,
+                base,
+                schema: Arc::new(schema),
+                cli: None,
+                processes: None,
+                slot: None,
+                evict: Arc::new(Notify::new()),
+            },
             metrics: crate::metrics::unserved(),
-            billed_so_far,
-            prompt_hash: hash_file(&base.system_prompt_file),
-            status_path,
             persona,
             inbox,
             mouth,
@@ -490,20 +402,12 @@ impl TurnLoop {
             turn_requests: Arc::new(Notify::new()),
             controls,
             control_rx,
-            base,
-            schema: Arc::new(schema),
-            cli: None,
-            seen,
-            note,
-            history_lines: None,
-            restarted,
-            status,
         })
     }
 
     /// Also counts the lines of `others` (the other Personas of this gateway) as a bot's.
     pub fn with_other_personas(mut self, others: impl IntoIterator<Item = String>) -> Self {
-        self.bots.extend(others);
+        self.gate.bots.extend(others);
         self
     }
 
@@ -516,7 +420,7 @@ impl TurnLoop {
 
     /// Takes part in the gateway-wide cap on live processes.
     pub fn with_processes(mut self, processes: Arc<Processes>) -> Self {
-        self.processes = Some(processes);
+        self.claude.processes = Some(processes);
         self
     }
 }

@@ -5,18 +5,19 @@ use super::*;
 
 impl TurnLoop {
     pub(super) async fn ensure_cli(&mut self) -> Result<&mut Cli, DriverError> {
-        if self.cli.is_none() {
+        if self.claude.cli.is_none() {
             // A live process takes one of the gateway's slots, waiting for an idle Persona
             // to stop hers when none is free.
-            if let (Some(p), None) = (&self.processes, &self.slot) {
-                self.slot = Some(p.acquire(&self.persona.id, self.evict.clone()).await);
+            if let (Some(p), None) = (&self.claude.processes, &self.claude.slot) {
+                self.claude.slot =
+                    Some(p.acquire(&self.persona.id, self.claude.evict.clone()).await);
             }
             let id = &self.persona.id;
-            let mut cfg = self.base.clone();
+            let mut cfg = self.claude.base.clone();
             match self.inbox.session_value(id, "session_id").ok().flatten() {
                 Some(sid) => {
                     let stored = self.inbox.session_value(id, "prompt_hash").ok().flatten();
-                    cfg.system_prompt_changed = stored.as_deref() != Some(&self.prompt_hash);
+                    cfg.system_prompt_changed = stored.as_deref() != Some(&self.claude.prompt_hash);
                     cfg.session_id = Some(sid);
                     cfg.resume = true;
                 }
@@ -25,7 +26,7 @@ impl TurnLoop {
                 None => {
                     let sid = uuid::Uuid::new_v4().to_string();
                     // A new session has billed nothing yet.
-                    self.billed_so_far = Some(KeptTotals {
+                    self.records.billed_so_far = Some(KeptTotals {
                         session: sid.clone(),
                         usage: Usage::default(),
                     });
@@ -34,9 +35,10 @@ impl TurnLoop {
                 }
             }
             tracing::info!(persona = %id, session = ?cfg.session_id, resume = cfg.resume, "starting the claude CLI");
-            self.cli = Some(Cli::spawn(cfg).await?);
+            self.claude.cli = Some(Cli::spawn(cfg).await?);
         }
-        self.cli
+        self.claude
+            .cli
             .as_mut()
             .ok_or_else(|| DriverError::Exited("no process".into()))
     }
@@ -45,17 +47,17 @@ impl TurnLoop {
     pub(super) fn fresh_start(&mut self, why: &str) -> Result<(), InboxError> {
         let id = self.persona.id.clone();
         tracing::info!(persona = %id, why, "fresh session");
-        self.cli = None;
-        self.seen.clear();
+        self.claude.cli = None;
+        self.carry.seen.clear();
         self.inbox.set_session_value(&id, "session_id", None)?;
-        self.status.generation += 1;
+        self.records.status.generation += 1;
         self.inbox.set_session_value(
             &id,
             "generation",
-            Some(&self.status.generation.to_string()),
+            Some(&self.records.status.generation.to_string()),
         )?;
-        self.status.session_id = None;
-        self.telemetry.after_fresh_start();
+        self.records.status.session_id = None;
+        self.refresh.telemetry.after_fresh_start();
         // The new session holds no failed attempt.
         self.set_failed(None);
         Ok(())
@@ -65,17 +67,17 @@ impl TurnLoop {
     /// restart of the gateway would send its batch again.
     pub(super) fn set_failed(&mut self, failed: Option<ApiFailure>) {
         self.keep_learned(FAILED, &failed);
-        self.failed = failed;
+        self.carry.failed = failed;
     }
 
     /// Books the gap since her last turn for predictive keep-warm, up to when the batch's first
     /// message was said (`said_ms`, the homeserver's clock), and stores her gaps so a restart
     /// keeps what was learned.
     pub(super) fn book_gap(&mut self, now: Instant, said_ms: i64) {
-        let last = self.telemetry.last_turn_at;
+        let last = self.refresh.telemetry.last_turn_at;
         let said = said_at(now, crate::clock::unix_ms(), said_ms, last);
-        if self.telemetry.batch_arrived(said) {
-            self.keep_learned(GAPS, &self.telemetry.gaps);
+        if self.refresh.telemetry.batch_arrived(said) {
+            self.keep_learned(GAPS, &self.refresh.telemetry.gaps);
         }
     }
 
@@ -104,7 +106,7 @@ impl TurnLoop {
                 // The CLI reports no usage for `/compact`; its running totals have the summary
                 // request. Without them (none of this session's kept) it is estimated: the
                 // conversation sent uncached, the kept size as output.
-                let (usage, how) = match self.billed(&result) {
+                let (usage, how) = match self.records.billed(&result) {
                     Some(u) => (u, "billed"),
                     None => (
                         Usage {
@@ -117,7 +119,8 @@ impl TurnLoop {
                 };
                 // The CLI bills a `/compact` as a local command (no usage); its boundary's
                 // post_tokens (the summary and what was kept) is what the compaction wrote.
-                self.telemetry
+                self.refresh
+                    .telemetry
                     .after_compact(m.post_tokens, m.post_tokens, last_request_at);
                 self.record_upkeep(
                     RecordKind::Compaction,
@@ -125,14 +128,18 @@ impl TurnLoop {
                     started,
                     &format!("compacted ({why}); {how}"),
                 );
-                self.status.compactions += 1;
-                self.keep_learned(SUMMARIES, &self.telemetry.summaries);
+                self.records.status.compactions += 1;
+                self.keep_learned(SUMMARIES, &self.refresh.telemetry.summaries);
                 Some(m)
             }
             Ok(t) => {
                 tracing::warn!(persona = %self.persona.id, why, errors = ?t.result.errors, "compaction did not happen; starting fresh instead");
                 // Its summary request may have been billed all the same.
-                if let Some(u) = self.billed(&t.result).filter(|u| *u != Usage::default()) {
+                if let Some(u) = self
+                    .records
+                    .billed(&t.result)
+                    .filter(|u| *u != Usage::default())
+                {
                     self.record_upkeep(
                         RecordKind::Compaction,
                         &u,
@@ -144,7 +151,7 @@ impl TurnLoop {
             }
             Err(e) => {
                 tracing::warn!(persona = %self.persona.id, why, error = %e, "compaction failed; starting fresh instead");
-                self.cli = None;
+                self.claude.cli = None;
                 None
             }
         }
@@ -175,7 +182,7 @@ impl TurnLoop {
                 (Some(t), Event::Ran(ran))
             }
             Err(e) => {
-                self.cli = None;
+                self.claude.cli = None;
                 *died = Some(e);
                 (None, Event::Died)
             }
@@ -185,9 +192,9 @@ impl TurnLoop {
     /// Whether her stored session's transcript already holds the batch `text` (its header
     /// line): a process that resumes the session will send the model that text again.
     pub(super) fn held_by_session(&self, text: &str) -> bool {
-        match (&self.status.session_id, render::batch_header(text)) {
+        match (&self.records.status.session_id, render::batch_header(text)) {
             (Some(session), Some(header)) => {
-                session::driver::transcript_holds(&self.base, session, header)
+                session::driver::transcript_holds(&self.claude.base, session, header)
             }
             _ => false,
         }
@@ -206,10 +213,11 @@ impl TurnLoop {
         let id = self.persona.id.clone();
         let turn_id = format!(
             "checkpoint:{id}:{}:{}",
-            self.status.generation,
-            self.status.compactions + 1
+            self.records.status.generation,
+            self.records.status.compactions + 1
         );
         let billed = self
+            .records
             .billed(&turn.result)
             .unwrap_or_else(|| turn.result.usage.usage());
         self.record_upkeep(
@@ -218,7 +226,11 @@ impl TurnLoop {
             started,
             &format!("{:?}", turn.result.outcome()),
         );
-        match self.schema.check(turn.result.structured_output.as_ref()) {
+        match self
+            .claude
+            .schema
+            .check(turn.result.structured_output.as_ref())
+        {
             Ok(reply) if answered => {
                 tracing::info!(%turn_id, fields = reply.extensions.len(), unsent_says = reply.say.len(), "checkpoint turn");
                 self.inbox.commit_turn(
@@ -292,52 +304,55 @@ impl TurnLoop {
             if let Some(first) = batch.first() {
                 self.book_gap(started, first.ts);
             }
-            self.telemetry.batch_waiting = true;
-            self.telemetry.process = if self.cli.is_some() {
+            self.refresh.telemetry.batch_waiting = true;
+            self.refresh.telemetry.process = if self.claude.cli.is_some() {
                 Process::Running
             } else {
                 Process::Stopped
             };
-            self.telemetry.base_tokens = self.prompt_tokens;
+            self.refresh.telemetry.base_tokens = self.claude.prompt_tokens;
             let (rehydrated, resent) = render::fresh_start_bytes(
                 &self.latest_notes(&[]),
                 &lines,
                 self.persona.limits.context_lines,
                 self.persona.limits.context_bytes,
-                &self.seen,
+                &self.carry.seen,
             );
-            self.telemetry.rehydration_tokens = self.prompt_tokens + rehydrated as u64 / 4;
-            self.telemetry.resend_tokens = resent as u64 / 4;
-            let decision = if self.status.session_id.is_none() {
+            self.refresh.telemetry.rehydration_tokens =
+                self.claude.prompt_tokens + rehydrated as u64 / 4;
+            self.refresh.telemetry.resend_tokens = resent as u64 / 4;
+            let decision = if self.records.status.session_id.is_none() {
                 Decision::Continue
             } else {
-                policy::decide(&self.telemetry, started, &self.policy)
+                policy::decide(&self.refresh.telemetry, started, &self.refresh.policy)
             };
-            tracing::info!(?decision, telemetry = ?self.telemetry, "turn decision");
+            tracing::info!(?decision, telemetry = ?self.refresh.telemetry, "turn decision");
             self.metrics.decision(&id, decision_name(&decision));
             decision
         };
         // The session that will run this batch: the live process's, else the stored one.
         let next_session = self
+            .claude
             .cli
             .as_ref()
             .and_then(Cli::session_id)
-            .or(self.status.session_id.as_deref())
+            .or(self.records.status.session_id.as_deref())
             .map(str::to_owned);
         let api_failed = self
+            .carry
             .failed
             .as_ref()
             .filter(|f| f.turn_id == turn_id && Some(&f.session) == next_session.as_ref())
             .map(|f| f.status);
         let (mut attempt, mut action) = Attempt::start(Start {
             stored_reply: stored_output.is_some(),
-            has_session: self.status.session_id.is_some(),
-            live: self.cli.is_some(),
+            has_session: self.records.status.session_id.is_some(),
+            live: self.claude.cli.is_some(),
             retried,
             api_failed,
             decision,
             checkpoint: self.persona.session.checkpoint_before_compact,
-            restarted: self.restarted,
+            restarted: self.carry.restarted,
         });
         let rooms: Vec<String> = batch
             .iter()
@@ -384,10 +399,17 @@ impl TurnLoop {
                     // either the compaction keeps it verbatim past the summary
                     // (`live_session::a_refused_turn_is_kept_verbatim_past_the_compaction_after_it`):
                     // sent again, she would see the batch twice.
-                    let refused = match (why, &self.status.session_id, render::batch_header(&text))
-                    {
+                    let refused = match (
+                        why,
+                        &self.records.status.session_id,
+                        render::batch_header(&text),
+                    ) {
                         (CompactWhy::Refused, Some(session), Some(header)) => {
-                            session::driver::transcript_user_message(&self.base, session, header)
+                            session::driver::transcript_user_message(
+                                &self.claude.base,
+                                session,
+                                header,
+                            )
                         }
                         _ => None,
                     };
@@ -400,10 +422,10 @@ impl TurnLoop {
                     }
                 }
                 Action::Compose => {
-                    seen_before.get_or_insert_with(|| self.seen.clone());
+                    seen_before.get_or_insert_with(|| self.carry.seen.clone());
                     // Her batch's images and text files, fetched (and decrypted) now; a
                     // degraded batch keeps their descriptions.
-                    if self.degrade {
+                    if self.carry.degrade {
                         text = self.compose(batch, &stored);
                         images = Vec::new();
                     } else {
@@ -422,14 +444,14 @@ impl TurnLoop {
                 }
                 Action::Unsee => {
                     if let Some(seen) = &seen_before {
-                        self.seen = seen.clone();
+                        self.carry.seen = seen.clone();
                     }
                     Event::Done
                 }
                 Action::CheckTranscript => Event::Held(self.held_by_session(&text)),
                 Action::Run(t) => {
                     if matches!(t, Text::Retry { .. }) {
-                        seen_before.get_or_insert_with(|| self.seen.clone());
+                        seen_before.get_or_insert_with(|| self.carry.seen.clone());
                     }
                     // The batch's images go with its text, not with a note that replaces it.
                     if matches!(t, Text::Retry { .. } | Text::Checkpoint) {
@@ -484,11 +506,11 @@ impl TurnLoop {
         };
         let res = &turn.result;
         if let Some(sid) = &res.session_id {
-            if self.status.session_id.as_deref() != Some(sid) {
+            if self.records.status.session_id.as_deref() != Some(sid) {
                 self.inbox.set_session_value(&id, "session_id", Some(sid))?;
                 self.inbox
-                    .set_session_value(&id, "prompt_hash", Some(&self.prompt_hash))?;
-                self.status.session_id = Some(sid.clone());
+                    .set_session_value(&id, "prompt_hash", Some(&self.claude.prompt_hash))?;
+                self.records.status.session_id = Some(sid.clone());
             }
         }
         // A turn whose say failed was billed all the same: it is recorded, then fails.
@@ -509,20 +531,21 @@ impl TurnLoop {
         // What it billed: every request of the turn (a reply bounced by the schema is asked
         // for again), and anything since the last result the result leaves out.
         let own = res.usage.usage();
-        let billed = self.billed(res).unwrap_or(own);
+        let billed = self.records.billed(res).unwrap_or(own);
         // The prefix the policy watches: the last request's prompt, with the turn's output.
         let last = turn.last_request.map_or(own, |last| Usage {
             output: own.output,
             ..last
         });
-        self.telemetry
-            .book_earlier_reads(&turn.earlier_reads, &self.prices);
-        self.telemetry.after_turn(
+        self.refresh
+            .telemetry
+            .book_earlier_reads(&turn.earlier_reads, &self.refresh.prices);
+        self.refresh.telemetry.after_turn(
             &last,
             res.outcome(),
             turn.last_request_at,
             Instant::now(),
-            &self.prices,
+            &self.refresh.prices,
         );
         // Before the record: a crash between the two loses the record, not bills it twice.
         self.keep_session();
@@ -538,11 +561,18 @@ impl TurnLoop {
             // A rebuild's (the old design's) price, not a fresh start's: that also counts
             // what her rooms would send again, which a rebuild per turn never held.
             rebuild_usd: Prices::dollars(
-                self.telemetry.rehydration_tokens,
-                self.policy.prices.write(self.policy.ttl),
+                self.refresh.telemetry.rehydration_tokens,
+                self.refresh.policy.prices.write(self.refresh.policy.ttl),
             ),
-            fresh_start_usd: policy::rebuild_cost(&self.telemetry, &self.policy),
-            ..self.record(RecordKind::Turn, &billed, &last, started, outcome)
+            fresh_start_usd: policy::rebuild_cost(&self.refresh.telemetry, &self.refresh.policy),
+            ..self.refresh.record(
+                self.records.status.generation,
+                RecordKind::Turn,
+                &billed,
+                &last,
+                started,
+                outcome,
+            )
         };
         let m = self.metrics.clone();
         // A say that failed fails the turn, which the turn loop counts by its error.
@@ -559,12 +589,12 @@ impl TurnLoop {
         }
         m.usage(&id, &billed, record.cost_usd);
         tracing::info!(?record, "turn done");
-        self.write_status(record);
+        self.records.write_turn(record);
         delivered.map(drop)
     }
 
     pub(super) async fn shutdown(&mut self) {
-        if let Some(cli) = self.cli.take() {
+        if let Some(cli) = self.claude.cli.take() {
             cli.shutdown(Duration::from_secs(5)).await;
         }
     }

@@ -4,30 +4,6 @@
 use super::*;
 
 impl TurnLoop {
-    /// The message of a retry whose batch her session holds already: the `restart` note if
-    /// any, and a `[retry]` note saying `why` (the batch is "above").
-    pub(super) fn retry_text(&mut self, restart: Option<Note>, why: &str) -> String {
-        let mut notes: Vec<Note> = restart.into_iter().collect();
-        notes.push(Note::new(
-            "retry",
-            format!("{why}, which you have not answered yet: answer it now (it is not repeated)"),
-        ));
-        render::render(&[], &mut self.seen, &notes)
-    }
-
-    /// The text of a checkpoint turn (before a planned compaction, with
-    /// `checkpoint_before_compact`): it asks her to put what she must keep into her reply's
-    /// extension fields, which go to the outbox; her says in it are not sent.
-    pub(super) fn checkpoint_text(&mut self) -> String {
-        let note = Note::new(
-            "checkpoint",
-            "your conversation is about to be compacted: only a summary of it will remain. Put \
-             what you must keep into your reply's fields now. Say nothing: says in this reply \
-             are not sent.",
-        );
-        render::render(&[], &mut self.seen, &[note])
-    }
-
     /// The text `t` names: the batch as composed, a retry note, the last text again, the
     /// checkpoint note. `last` is the text of the current run (the composed batch, a retry
     /// note, the checkpoint note), which a text sent `Again` repeats.
@@ -36,16 +12,16 @@ impl TurnLoop {
             Text::Composed => last.clone(),
             Text::Retry { why, restart } => {
                 // The batch is in her transcript: it counts as shown.
-                render::render(batch, &mut self.seen, &[]);
+                render::render(batch, &mut self.carry.seen, &[]);
                 let restart = restart.map(|r| self.restart_note(r));
                 tracing::info!(why = %why.describe(), "retrying without the batch: her session holds it");
-                *last = self.retry_text(restart, &why.describe());
+                *last = self.carry.retry_text(restart, &why.describe());
                 last.clone()
             }
             Text::Again { restart: None } => last.clone(),
             Text::Again { restart: Some(r) } => render::with_note(last, &self.restart_note(r)),
             Text::Checkpoint => {
-                *last = self.checkpoint_text();
+                *last = self.carry.checkpoint_text();
                 last.clone()
             }
         }
@@ -71,7 +47,7 @@ impl TurnLoop {
             ),
             None => "the time of your last turn is not known".to_owned(),
         };
-        let session = if self.status.session_id.is_some() {
+        let session = if self.records.status.session_id.is_some() {
             "your session was resumed: the conversation above continues"
         } else {
             "this is a fresh session: your earlier conversation is not in it"
@@ -83,13 +59,13 @@ impl TurnLoop {
     /// and for a new session what it is given to start from.
     pub(super) fn compose(&mut self, batch: &[Delivery], stored: &[crate::inbox::Note]) -> String {
         let mut notes = Vec::new();
-        if self.restarted {
+        if self.carry.restarted {
             notes.push(self.restart_note(Restarted::Gateway));
         }
-        if let Some(c) = &self.note {
+        if let Some(c) = &self.carry.note {
             notes.push(Note::new("correction", c.clone()));
         }
-        self.telling.clear();
+        self.carry.telling.clear();
         let aside = self
             .inbox
             .set_aside_list(&self.persona.id)
@@ -97,7 +73,7 @@ impl TurnLoop {
         // What was set aside is not shown again as context or recent lines either: the API
         // refused it, and would refuse the turn that carried it.
         for d in aside.iter().flat_map(|a| &a.deliveries) {
-            self.seen.insert(&d.event_id);
+            self.carry.seen.insert(&d.event_id);
         }
         for a in aside.into_iter().filter(|a| !a.told) {
             let rooms: std::collections::BTreeSet<String> = a
@@ -117,17 +93,18 @@ impl TurnLoop {
                     a.why
                 ),
             ));
-            self.telling.push(a.id);
+            self.carry.telling.push(a.id);
         }
         notes.extend(
             stored
                 .iter()
                 .map(|n| Note::from_minds(&n.kind, n.text.clone())),
         );
-        let mut text = render::render(batch, &mut self.seen, &notes);
-        if self.status.session_id.is_none() {
+        let mut text = render::render(batch, &mut self.carry.seen, &notes);
+        if self.records.status.session_id.is_none() {
             // A session after an earlier one (not her very first) is given the recent lines.
-            let had_session = self.status.turns_total > 0 || self.status.generation > 0;
+            let had_session =
+                self.records.status.turns_total > 0 || self.records.status.generation > 0;
             let shown: Vec<&str> = stored.iter().map(|n| n.kind.as_str()).collect();
             // After the batch: its deliveries and context are not repeated.
             let rooms = if had_session {
@@ -140,7 +117,7 @@ impl TurnLoop {
                 &rooms,
                 self.persona.limits.context_lines,
                 self.persona.limits.context_bytes / 2,
-                &mut self.seen,
+                &mut self.carry.seen,
             ));
         }
         text
@@ -191,5 +168,31 @@ impl TurnLoop {
                 (room, lines)
             })
             .collect()
+    }
+}
+
+impl Carry {
+    /// The message of a retry whose batch her session holds already: the `restart` note if
+    /// any, and a `[retry]` note saying `why` (the batch is "above").
+    fn retry_text(&mut self, restart: Option<Note>, why: &str) -> String {
+        let mut notes: Vec<Note> = restart.into_iter().collect();
+        notes.push(Note::new(
+            "retry",
+            format!("{why}, which you have not answered yet: answer it now (it is not repeated)"),
+        ));
+        render::render(&[], &mut self.seen, &notes)
+    }
+
+    /// The text of a checkpoint turn (before a planned compaction, with
+    /// `checkpoint_before_compact`): it asks her to put what she must keep into her reply's
+    /// extension fields, which go to the outbox; her says in it are not sent.
+    fn checkpoint_text(&mut self) -> String {
+        let note = Note::new(
+            "checkpoint",
+            "your conversation is about to be compacted: only a summary of it will remain. Put \
+             what you must keep into your reply's fields now. Say nothing: says in this reply \
+             are not sent.",
+        );
+        render::render(&[], &mut self.seen, &[note])
     }
 }

@@ -26,7 +26,7 @@ impl TurnLoop {
         let lines = self.conversation_lines(batch, lines).await;
         let lines = lines.as_slice();
         let mut kept = false;
-        let (says, extensions, outcome) = match self.schema.validate(output, &allowed_refs) {
+        let (says, extensions, outcome) = match self.claude.schema.validate(output, &allowed_refs) {
             Ok(reply) => {
                 if let (Some(output), false) = (output, reply.say.is_empty()) {
                     let value = serde_json::json!({ "turn": turn_id, "output": output });
@@ -74,7 +74,7 @@ impl TurnLoop {
                         // is never shown to her again as context.
                         Status::Ok => {
                             if let Some(event) = &receipt.event_id {
-                                self.seen.insert(event);
+                                self.carry.seen.insert(event);
                             }
                         }
                         Status::Failed | Status::Unknown => {
@@ -117,11 +117,11 @@ impl TurnLoop {
                     }
                 }
                 let sent = reply.say.len() - refused.len();
-                self.note = session::correction::after(session::correction::Handled::Read {
+                self.carry.note = session::correction::after(session::correction::Handled::Read {
                     says: reply.say.len(),
                     refused: &refused,
                 });
-                let outcome = match &self.note {
+                let outcome = match &self.carry.note {
                     None => "sent".to_owned(),
                     Some(note) => format!("sent {sent} of {}: {note}", reply.say.len()),
                 };
@@ -129,7 +129,7 @@ impl TurnLoop {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reply not sent");
-                self.note =
+                self.carry.note =
                     session::correction::after::<&str>(session::correction::Handled::Unread(&e));
                 (0, Vec::new(), e.to_string())
             }
@@ -141,7 +141,7 @@ impl TurnLoop {
         // later turn, seqs are not reused, but it has no use left).
         let seen = self.seen_to_keep(lines);
         let mut values = vec![
-            (CORRECTION, self.note.as_deref()),
+            (CORRECTION, self.carry.note.as_deref()),
             (FAILED, None),
             (crate::inbox::retention::KEEP_RECEIPTS, None),
         ];
@@ -162,7 +162,7 @@ impl TurnLoop {
                 values: &values,
             },
         )?;
-        self.restarted = false;
+        self.carry.restarted = false;
         // She can take turns again.
         self.set_error(None);
         if acked.is_some() {

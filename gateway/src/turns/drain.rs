@@ -4,11 +4,31 @@
 
 use super::*;
 
-impl TurnLoop {
+impl Gate {
+    /// Her pending mail as her `[persona.turns]` rules see it (`operators`: her operators).
+    pub(super) fn lines<'d>(&self, operators: &[String], pending: &'d [Delivery]) -> Vec<Line<'d>> {
+        pending
+            .iter()
+            .map(|d| Line {
+                room: &d.room_id,
+                sender: &d.sender,
+                addressed: d.is_direct || d.to_you,
+                operator: operators.contains(&d.sender),
+                bot: self.bots.contains(&d.sender),
+            })
+            .collect()
+    }
+
     /// Books a turn on `batch` started by `trigger` (its seq, and whether ambient mail started
-    /// it; `None` for her Minds' request), and stores what the rules remember.
-    pub(super) fn book_start(&mut self, batch: &[Delivery], trigger: Option<(u64, bool)>) {
-        let lines = self.lines(batch);
+    /// it; `None` for her Minds' request) at `now_ms`.
+    fn book(
+        &mut self,
+        operators: &[String],
+        batch: &[Delivery],
+        trigger: Option<(u64, bool)>,
+        now_ms: i64,
+    ) {
+        let lines = self.lines(operators, batch);
         let hit = trigger.and_then(|(seq, ambient)| {
             let at = batch.iter().position(|d| d.seq == seq)?;
             Some((lines[at], ambient))
@@ -18,23 +38,49 @@ impl TurnLoop {
             &lines,
             hit.as_ref().map(|(l, _)| l),
             hit.is_some_and(|(_, ambient)| ambient),
-            crate::clock::unix_ms(),
+            now_ms,
         );
-        self.keep_learned(ADMISSION, &self.admission);
     }
+}
 
-    /// Her pending mail as her `[persona.turns]` rules see it.
-    pub(super) fn lines<'d>(&self, pending: &'d [Delivery]) -> Vec<Line<'d>> {
-        pending
+impl Refresh {
+    /// How much of `batch` fits what is left of her window after her prompt so far (at least
+    /// `prompt_tokens`, her system prompt) and a margin for her answer, by an estimate that
+    /// errs long ([`session::turn::BYTES_PER_TOKEN`]); with the room (bytes) and her prompt
+    /// (tokens) it was weighed against.
+    fn fit(&self, prompt_tokens: u64, batch: &[Delivery]) -> (session::turn::Fit, usize, u64) {
+        // Kept free for the turn's own growth and her answer: an eighth of her window, at most
+        // 16k tokens.
+        let margin = (self.policy.context_window / 8).min(16_000);
+        let prefix = self.telemetry.prefix_tokens.max(prompt_tokens);
+        let room_tokens = self
+            .policy
+            .blocking_limit()
+            .saturating_sub(prefix)
+            .saturating_sub(margin);
+        let mut context = std::collections::HashSet::new();
+        let context_bytes: usize = batch
             .iter()
-            .map(|d| Line {
-                room: &d.room_id,
-                sender: &d.sender,
-                addressed: d.is_direct || d.to_you,
-                operator: self.persona.operators.contains(&d.sender),
-                bot: self.bots.contains(&d.sender),
-            })
-            .collect()
+            .flat_map(|d| &d.context)
+            .filter(|c| context.insert(c.event_id.as_str()))
+            .map(|c| c.text.len())
+            .sum();
+        let room = usize::try_from(room_tokens)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(session::turn::BYTES_PER_TOKEN)
+            .saturating_sub(context_bytes);
+        let sizes: Vec<usize> = batch.iter().map(|d| d.text.len()).collect();
+        (session::turn::fit(&sizes, room), room, prefix)
+    }
+}
+
+impl TurnLoop {
+    /// Books a turn on `batch` started by `trigger` ([`Gate::book`]), and stores what the
+    /// rules remember.
+    fn book_start(&mut self, batch: &[Delivery], trigger: Option<(u64, bool)>) {
+        let now = crate::clock::unix_ms();
+        self.gate.book(&self.persona.operators, batch, trigger, now);
+        self.keep_learned(ADMISSION, &self.gate.admission);
     }
 
     /// Runs turns while her mail may start them (by her `[persona.turns]` rules; `forced`: the
@@ -48,7 +94,7 @@ impl TurnLoop {
         forced: bool,
     ) -> Result<(), TurnError> {
         let mut drain = Drain::new(forced);
-        self.recheck_at_ms = None;
+        self.gate.recheck_at_ms = None;
         loop {
             if *stop.borrow() {
                 return Ok(());
@@ -84,7 +130,7 @@ impl TurnLoop {
             }
             let over_budget = budget.is_some_and(|o| !o.operators_only);
             let operators_only = budget.is_some_and(|o| o.operators_only);
-            let mut lines = self.lines(&page.deliveries);
+            let mut lines = self.gate.lines(&self.persona.operators, &page.deliveries);
             // Past the public share only her operators' lines start turns (the reserve).
             if operators_only {
                 for l in lines.iter_mut().filter(|l| !l.operator) {
@@ -93,15 +139,15 @@ impl TurnLoop {
             }
             let rules = if operators_only {
                 Rules {
-                    start: match self.rules.start {
+                    start: match self.gate.rules.start {
                         session::admission::Start::All => session::admission::Start::Addressed,
                         s => s,
                     },
                     ambient_every_ms: 0,
-                    ..self.rules.clone()
+                    ..self.gate.rules.clone()
                 }
             } else {
-                self.rules.clone()
+                self.gate.rules.clone()
             };
             let look = Look {
                 pending: &page.deliveries,
@@ -113,9 +159,9 @@ impl TurnLoop {
             };
             let step = drain.next(
                 &look,
-                &self.admission,
+                &self.gate.admission,
                 &rules,
-                self.shrink,
+                self.gate.shrink,
                 self.persona.session.max_batch,
                 self.persona.turns.bound(),
             );
@@ -124,7 +170,7 @@ impl TurnLoop {
                     if !page.deliveries.is_empty() {
                         tracing::debug!(persona = %id, pending = page.deliveries.len(), ?recheck_at_ms, "mail waits: nothing in it starts a turn");
                     }
-                    self.recheck_at_ms = recheck_at_ms;
+                    self.gate.recheck_at_ms = recheck_at_ms;
                     return Ok(());
                 }
                 Step::OverBudget => return Ok(()),
@@ -138,7 +184,7 @@ impl TurnLoop {
                     drain.coalesced();
                 }
                 Step::Notes => {
-                    self.degrade = false;
+                    self.carry.degrade = false;
                     self.turn(&[]).await?;
                     self.told();
                 }
@@ -151,7 +197,12 @@ impl TurnLoop {
                     // Before any model call: a batch her session could not hold whole is
                     // split (or its one message cut), as a refused one would be, rather than
                     // refused, compacted or started fresh.
-                    let fit = self.fit(&page.deliveries[..take]);
+                    let (fit, room, prefix) = self
+                        .refresh
+                        .fit(self.claude.prompt_tokens, &page.deliveries[..take]);
+                    if fit != session::turn::Fit::Whole {
+                        tracing::info!(persona = %self.persona.id, ?fit, room, prefix, "her batch would not fit her window whole: split before any model call");
+                    }
                     let take = match fit {
                         session::turn::Fit::Whole => take,
                         session::turn::Fit::Take(n) => n,
@@ -169,10 +220,14 @@ impl TurnLoop {
                         cut(d, bytes);
                     }
                     let bound = self.persona.turns.bound();
-                    let cuts = if self.rules.start == session::admission::Start::All {
+                    let cuts = if self.gate.rules.start == session::admission::Start::All {
                         Vec::new()
                     } else {
-                        session::waiting::to_cut(&batch, &self.lines(whole), bound)
+                        session::waiting::to_cut(
+                            &batch,
+                            &self.gate.lines(&self.persona.operators, whole),
+                            bound,
+                        )
                     };
                     for i in cuts {
                         if let Some(d) = batch.get_mut(i) {
@@ -180,26 +235,26 @@ impl TurnLoop {
                         }
                     }
                     let first = batch.first().map_or(0, |d| d.seq);
-                    self.degrade = session::turn::Trouble::degraded(self.trouble, first);
-                    if self.degrade {
+                    self.carry.degrade = session::turn::Trouble::degraded(self.gate.trouble, first);
+                    if self.carry.degrade {
                         batch.iter_mut().for_each(degrade);
                     }
                     match self.turn(&batch).await {
                         // Nothing of it was shown to her: take less, in a new session (the
                         // refused text may be in the old one's transcript).
                         Err(e @ TurnError::TooLong { .. }) => {
-                            let shrink = session::turn::after_too_long(&batch, self.shrink);
+                            let shrink = session::turn::after_too_long(&batch, self.gate.shrink);
                             tracing::warn!(persona = %id, error = %e, ?shrink, "batch too long for a fresh session; taking less");
                             self.fresh_start("the batch does not fit her context window")?;
                             if shrink.is_none() {
-                                self.shrink = None;
+                                self.gate.shrink = None;
                                 self.after_failure(whole, e)?;
                             } else {
-                                self.shrink = shrink;
+                                self.gate.shrink = shrink;
                             }
                         }
                         Ok(()) => {
-                            self.shrink = None;
+                            self.gate.shrink = None;
                             self.set_trouble(None);
                             self.told();
                         }
@@ -208,38 +263,6 @@ impl TurnLoop {
                 }
             }
         }
-    }
-
-    /// How much of `batch` fits what is left of her window after her prompt so far (and a
-    /// margin for her answer), by an estimate that errs long
-    /// ([`session::turn::BYTES_PER_TOKEN`]).
-    pub(super) fn fit(&self, batch: &[Delivery]) -> session::turn::Fit {
-        // Kept free for the turn's own growth and her answer: an eighth of her window, at most
-        // 16k tokens.
-        let margin = (self.policy.context_window / 8).min(16_000);
-        let prefix = self.telemetry.prefix_tokens.max(self.prompt_tokens);
-        let room_tokens = self
-            .policy
-            .blocking_limit()
-            .saturating_sub(prefix)
-            .saturating_sub(margin);
-        let mut context = std::collections::HashSet::new();
-        let context_bytes: usize = batch
-            .iter()
-            .flat_map(|d| &d.context)
-            .filter(|c| context.insert(c.event_id.as_str()))
-            .map(|c| c.text.len())
-            .sum();
-        let room = usize::try_from(room_tokens)
-            .unwrap_or(usize::MAX)
-            .saturating_mul(session::turn::BYTES_PER_TOKEN)
-            .saturating_sub(context_bytes);
-        let sizes: Vec<usize> = batch.iter().map(|d| d.text.len()).collect();
-        let fit = session::turn::fit(&sizes, room);
-        if fit != session::turn::Fit::Whole {
-            tracing::info!(persona = %self.persona.id, ?fit, room, prefix, "her batch would not fit her window whole: split before any model call");
-        }
-        fit
     }
 
     /// After a turn on `batch` (as stored) failed with `e`, by [`session::turn::Trouble`]:
@@ -253,7 +276,7 @@ impl TurnLoop {
         use session::turn::{Fault, Next, Trouble};
         let first = batch.first().map_or(0, |d| d.seq);
         let fault = fault_of(&e);
-        let (trouble, next) = Trouble::after(self.trouble, first, fault);
+        let (trouble, next) = Trouble::after(self.gate.trouble, first, fault);
         self.set_trouble(trouble);
         match next {
             Next::Retry => Err(e),
@@ -281,7 +304,7 @@ impl TurnLoop {
                     self.fresh_start("her batch was set aside after a refusal")?;
                 }
                 self.set_failed(None);
-                self.degrade = false;
+                self.carry.degrade = false;
                 self.refresh_set_aside();
                 Ok(())
             }
@@ -290,15 +313,15 @@ impl TurnLoop {
 
     /// Sets (and stores, when it changed) what failed turns on her oldest batch left.
     pub(super) fn set_trouble(&mut self, trouble: Option<session::turn::Trouble>) {
-        if self.trouble != trouble {
-            self.trouble = trouble;
-            self.keep_learned(TROUBLE, &self.trouble);
+        if self.gate.trouble != trouble {
+            self.gate.trouble = trouble;
+            self.keep_learned(TROUBLE, &self.gate.trouble);
         }
     }
 
     /// A turn went through: the set-aside batches it told her of are told.
     pub(super) fn told(&mut self) {
-        let ids = std::mem::take(&mut self.telling);
+        let ids = std::mem::take(&mut self.carry.telling);
         if ids.is_empty() {
             return;
         }
@@ -319,8 +342,8 @@ impl TurnLoop {
                     persona: self.persona.id.clone(),
                 })
                 .inc_by(r.lines);
-            self.status.retired_lines += r.lines;
-            self.save_status();
+            self.records.status.retired_lines += r.lines;
+            self.records.save();
         }
         Ok(())
     }

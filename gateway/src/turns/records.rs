@@ -3,6 +3,252 @@
 
 use super::*;
 
+/// What a history record is: one of her turns, or what her session cost between turns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordKind {
+    /// A turn: a batch (or notes) shown, her reply handled.
+    #[default]
+    Turn,
+    /// The turn before a planned compaction that asks her what to keep (says not sent).
+    Checkpoint,
+    /// A `/compact`. The CLI reports no usage for it: its tokens are the step of the session's
+    /// running totals, or, without an earlier result of the session in this run to step
+    /// from, an estimate (the conversation sent uncached, the size it kept as output).
+    Compaction,
+    /// A keep-warm refresh (a one-token fork of her session that reads its prefix).
+    Refresh,
+}
+
+/// One record of her history (`turns.jsonl`; her turns also in the status file).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct TurnRecord {
+    /// A turn, or what her session cost between turns (older records: a turn).
+    pub kind: RecordKind,
+    /// Batch seqs.
+    pub first_seq: u64,
+    /// Batch seqs.
+    pub last_seq: u64,
+    /// Session generation.
+    pub generation: u64,
+    /// Wall time of the turn (ms), CLI included.
+    pub duration_ms: u64,
+    /// Input tokens not from cache.
+    pub input_tokens: u64,
+    /// Cache reads.
+    pub cache_read_tokens: u64,
+    /// Cache writes.
+    pub cache_write_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Share of the prompt read from cache.
+    pub hit_ratio: f64,
+    /// The CLI's own cumulative cost estimate.
+    pub cli_cost_usd: f64,
+    /// Says sent.
+    pub says: usize,
+    /// Notes shown.
+    pub notes: usize,
+    /// Extension fields queued.
+    pub extensions: usize,
+    /// The policy's decision before the turn.
+    pub decision: String,
+    /// Billed cost by the price table (dollars).
+    pub cost_usd: f64,
+    /// What became of the reply.
+    pub outcome: String,
+    /// When it ended (ms since the epoch).
+    pub at_ms: i64,
+    /// Its prompt in tokens (uncached + cache reads + cache writes).
+    pub prefix_tokens: u64,
+    /// Where the policy acts (tokens).
+    pub watermark_tokens: u64,
+    /// The model's context window (tokens).
+    pub window_tokens: u64,
+    /// What a rebuild (a new session given the rehydration, as the old design did every turn)
+    /// would cost now, dollars.
+    pub rebuild_usd: f64,
+    /// What a fresh start of her session would cost now, dollars: the rebuild, and the recent
+    /// lines of her rooms this session holds that the rehydration leaves out, which their next
+    /// batches would show again (the price the ski-rental rule weighs).
+    pub fresh_start_usd: f64,
+}
+
+/// Her status file (`STATE/personas/ID/status.json`): her session, her last turns, why she
+/// cannot take turns now, what she holds back.
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+#[serde(default)]
+pub(super) struct StatusFile {
+    pub(super) persona: String,
+    pub(super) session_id: Option<String>,
+    pub(super) generation: u64,
+    pub(super) turns_total: u64,
+    /// Compactions carried out (by `/compact`).
+    #[serde(default)]
+    pub(super) compactions: u64,
+    /// Keep-warm refreshes made.
+    #[serde(default)]
+    pub(super) refreshes: u64,
+    /// What she cost outside her turns (refreshes, compactions, checkpoints), dollars; with
+    /// her turns' costs, what the model API billed for her.
+    #[serde(default)]
+    pub(super) upkeep_usd: f64,
+    pub(super) turns: VecDeque<TurnRecord>,
+    /// Her model (the configured one, or the last operator's switch).
+    #[serde(default)]
+    pub(super) model: String,
+    /// Sessions before a reset or model switch, newest last (each still resumable).
+    #[serde(default)]
+    pub(super) previous_sessions: Vec<String>,
+    /// Why her session cannot take turns now (`unauthorized: ...`), until a turn succeeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) last_error: Option<String>,
+    /// Her spend has reached her daily cap: nothing that costs starts before it resumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) over_budget: Option<OverBudget>,
+    /// Waiting lines retired from her mail into her rooms' context, in all.
+    #[serde(default)]
+    pub(super) retired_lines: u64,
+    /// Her batches set aside (the model API kept refusing them), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) set_aside: Vec<wire::docs::SetAsideBatch>,
+    /// When her operator was told she stopped for her budget (until she is within it again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) budget_notice_at_ms: Option<i64>,
+}
+
+/// Her records: her status file, her history beside it, and her spend in the last 24 hours
+/// (read from the history at start, when she has a cap).
+pub(super) struct Records {
+    pub(super) status: StatusFile,
+    /// Her status file.
+    pub(super) path: PathBuf,
+    /// Lines in her history file (counted on first use).
+    history_lines: Option<usize>,
+    /// History records kept (`session.history_turns`).
+    history_turns: usize,
+    /// What she was billed in the last 24 hours, against her daily cap (`None`: no cap).
+    pub(super) spend: Option<session::budget::Spend>,
+    /// Her session's running totals at its last result, so that each record bills what the
+    /// API billed since ([`Records::billed`]); stored, so a restart of the gateway keeps
+    /// them for the session it resumes.
+    pub(super) billed_so_far: Option<KeptTotals>,
+}
+
+impl Records {
+    /// Her records at `path`, her spend read from her history when she has a cap (a new cap
+    /// comes with a restart of her loop).
+    pub(super) fn new(
+        status: StatusFile,
+        path: PathBuf,
+        persona: &Persona,
+        billed_so_far: Option<KeptTotals>,
+    ) -> Self {
+        let spend = persona.budget.usd_per_day.map(|_| {
+            let mut spend = session::budget::Spend::default();
+            let since = crate::clock::unix_ms() - session::budget::WINDOW_MS;
+            for r in read_history(&path.with_file_name(HISTORY_FILE)).unwrap_or_default() {
+                if r.at_ms > since {
+                    spend.add(r.at_ms, r.cost_usd);
+                }
+            }
+            spend
+        });
+        Self {
+            status,
+            path,
+            history_lines: None,
+            history_turns: persona.session.history_turns,
+            spend,
+            billed_so_far,
+        }
+    }
+
+    /// Writes her status file (through a rename; a failure is logged: the next write mends it).
+    pub(super) fn save(&self) {
+        let tmp = self.path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec_pretty(&self.status).unwrap_or_default();
+        if let Err(e) = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &self.path))
+        {
+            tracing::warn!(error = %e, path = %self.path.display(), "status file not written");
+        }
+    }
+
+    /// Appends `record` to her history file and her spend (a failure is logged: the turn is
+    /// done anyway).
+    pub(super) fn append(&mut self, record: &TurnRecord) {
+        if let Some(spend) = &mut self.spend {
+            spend.add(record.at_ms, record.cost_usd);
+        }
+        if let Err(e) = append_history(
+            &self.path.with_file_name(HISTORY_FILE),
+            record,
+            self.history_turns,
+            &mut self.history_lines,
+        ) {
+            tracing::warn!(error = %e, "history not written");
+        }
+    }
+
+    /// Records a turn: in her history, and among the last turns of her status file.
+    pub(super) fn write_turn(&mut self, record: TurnRecord) {
+        self.append(&record);
+        self.status.turns_total += 1;
+        self.status.turns.push_back(record);
+        while self.status.turns.len() > TELEMETRY_KEPT {
+            self.status.turns.pop_front();
+        }
+        self.save();
+    }
+
+    /// What her session billed since its last result, from the running totals of `result`
+    /// (`None` when they cannot tell: another session, or none of this session's totals
+    /// known); the totals are kept for the next result (and stored by
+    /// [`TurnLoop::keep_session`] before its record is written).
+    pub(super) fn billed(&mut self, result: &session::proto::ResultEvent) -> Option<Usage> {
+        let (session, usage) = (result.session_id.clone()?, result.cumulative()?);
+        let since = match &self.billed_so_far {
+            Some(k) if k.session == session => usage.since(&k.usage),
+            _ => None,
+        };
+        self.billed_so_far = Some(KeptTotals { session, usage });
+        since
+    }
+}
+
+impl Refresh {
+    /// A record of what her session billed (`billed`) since the last, in her session `generation`, with the prompt of its
+    /// last request (`last`: the prefix and its hit share) and its wall time since `started`.
+    pub(super) fn record(
+        &self,
+        generation: u64,
+        kind: RecordKind,
+        billed: &Usage,
+        last: &Usage,
+        started: Instant,
+        outcome: String,
+    ) -> TurnRecord {
+        TurnRecord {
+            kind,
+            generation,
+            duration_ms: started.elapsed().as_millis() as u64,
+            input_tokens: billed.input,
+            cache_read_tokens: billed.cache_read,
+            cache_write_tokens: billed.cache_write_5m + billed.cache_write_1h,
+            output_tokens: billed.output,
+            cost_usd: billed.cost(&self.prices),
+            hit_ratio: last.hit_ratio(),
+            prefix_tokens: last.prompt_tokens(),
+            outcome,
+            at_ms: crate::clock::unix_ms(),
+            watermark_tokens: self.policy.watermark_tokens(),
+            window_tokens: self.policy.context_window,
+            ..TurnRecord::default()
+        }
+    }
+}
+
 impl TurnLoop {
     /// Whether her spend in the last 24 hours has reached her daily cap, so nothing that costs
     /// may start now (her operators' reserve aside: see [`TurnLoop::budget`]).
@@ -15,8 +261,12 @@ impl TurnLoop {
     pub(super) fn budget(&mut self) -> Option<OverBudget> {
         let now = crate::clock::unix_ms();
         let b = &self.persona.budget;
-        let over = OverBudget::of(self.spend.share(now, b.usd_per_day, b.operator_reserve));
-        if over != self.status.over_budget {
+        let over = self
+            .records
+            .spend
+            .as_mut()
+            .and_then(|s| OverBudget::of(s.share(now, b.usd_per_day, b.operator_reserve)));
+        if over != self.records.status.over_budget {
             let label = crate::metrics::PersonaLabel {
                 persona: self.persona.id.clone(),
             };
@@ -37,10 +287,10 @@ impl TurnLoop {
                 None => tracing::info!(persona = %self.persona.id, "within her budget again"),
             }
             if over.is_none() {
-                self.status.budget_notice_at_ms = None;
+                self.records.status.budget_notice_at_ms = None;
             }
-            self.status.over_budget = over;
-            self.save_status();
+            self.records.status.over_budget = over;
+            self.records.save();
             self.set_error(over.map(|o| o.describe()));
         }
         over
@@ -50,7 +300,7 @@ impl TurnLoop {
     /// spent, when she resumes, and how to raise her budget (sent by the gateway in her name,
     /// at most once per episode: its request id is the episode's).
     pub(super) async fn tell_operator_of_budget(&mut self, over: OverBudget) {
-        if self.status.budget_notice_at_ms.is_some() {
+        if self.records.status.budget_notice_at_ms.is_some() {
             return;
         }
         let now = crate::clock::unix_ms();
@@ -66,8 +316,8 @@ impl TurnLoop {
                 break;
             }
         }
-        self.status.budget_notice_at_ms = Some(now);
-        self.save_status();
+        self.records.status.budget_notice_at_ms = Some(now);
+        self.records.save();
         let Some(room) = dm else {
             tracing::warn!(persona = %self.persona.id, "no DM with an operator to tell of her budget; the log and her status say it");
             return;
@@ -95,7 +345,7 @@ impl TurnLoop {
 
     /// Records why her session cannot take turns (for her status file and CultNet status).
     pub(super) fn set_error(&mut self, error: Option<String>) {
-        if self.status.last_error == error {
+        if self.records.status.last_error == error {
             return;
         }
         *self
@@ -103,8 +353,8 @@ impl TurnLoop {
             .session_error
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = error.clone();
-        self.status.last_error = error;
-        self.save_status();
+        self.records.status.last_error = error;
+        self.records.save();
     }
 
     /// Stores something the turn loop keeps across restarts (JSON in her session values: what
@@ -135,74 +385,6 @@ impl TurnLoop {
         }
     }
 
-    /// A record of what her session billed (`billed`) since the last, with the prompt of its
-    /// last request (`last`: the prefix and its hit share) and its wall time since `started`.
-    pub(super) fn record(
-        &self,
-        kind: RecordKind,
-        billed: &Usage,
-        last: &Usage,
-        started: Instant,
-        outcome: String,
-    ) -> TurnRecord {
-        TurnRecord {
-            kind,
-            generation: self.status.generation,
-            duration_ms: started.elapsed().as_millis() as u64,
-            input_tokens: billed.input,
-            cache_read_tokens: billed.cache_read,
-            cache_write_tokens: billed.cache_write_5m + billed.cache_write_1h,
-            output_tokens: billed.output,
-            cost_usd: billed.cost(&self.prices),
-            hit_ratio: last.hit_ratio(),
-            prefix_tokens: last.prompt_tokens(),
-            outcome,
-            at_ms: crate::clock::unix_ms(),
-            watermark_tokens: self.policy.watermark_tokens(),
-            window_tokens: self.policy.context_window,
-            ..TurnRecord::default()
-        }
-    }
-
-    /// Appends `record` to her history file (a failure is logged: the turn is done anyway).
-    pub(super) fn append_to_history(&mut self, record: &TurnRecord) {
-        if self.persona.budget.usd_per_day.is_some() {
-            self.spend.add(record.at_ms, record.cost_usd);
-        }
-        if let Err(e) = append_history(
-            &self.status_path.with_file_name(HISTORY_FILE),
-            record,
-            self.persona.session.history_turns,
-            &mut self.history_lines,
-        ) {
-            tracing::warn!(error = %e, "history not written");
-        }
-    }
-
-    pub(super) fn write_status(&mut self, record: TurnRecord) {
-        self.append_to_history(&record);
-        self.status.turns_total += 1;
-        self.status.turns.push_back(record);
-        while self.status.turns.len() > TELEMETRY_KEPT {
-            self.status.turns.pop_front();
-        }
-        self.save_status();
-    }
-
-    /// What her session billed since its last result, from the running totals of `result`
-    /// (`None` when they cannot tell: another session, or none of this session's totals
-    /// known); the totals are kept for the next result (and stored by
-    /// [`TurnLoop::keep_session`] before its record is written).
-    pub(super) fn billed(&mut self, result: &session::proto::ResultEvent) -> Option<Usage> {
-        let (session, usage) = (result.session_id.clone()?, result.cumulative()?);
-        let since = match &self.billed_so_far {
-            Some(k) if k.session == session => usage.since(&k.usage),
-            _ => None,
-        };
-        self.billed_so_far = Some(KeptTotals { session, usage });
-        since
-    }
-
     /// Records what her session cost outside a turn (a refresh, a compaction, a checkpoint):
     /// in her history, her status file's upkeep and the cost metrics, so that what she is
     /// reported to cost is what the model API billed.
@@ -214,21 +396,18 @@ impl TurnLoop {
         outcome: &str,
     ) {
         self.keep_session();
-        let record = self.record(kind, usage, usage, started, outcome.to_owned());
+        let record = self.refresh.record(
+            self.records.status.generation,
+            kind,
+            usage,
+            usage,
+            started,
+            outcome.to_owned(),
+        );
         self.metrics.usage(&self.persona.id, usage, record.cost_usd);
-        self.append_to_history(&record);
-        self.status.upkeep_usd += record.cost_usd;
-        self.save_status();
-    }
-
-    pub(super) fn save_status(&self) {
-        let tmp = self.status_path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(&self.status).unwrap_or_default();
-        if let Err(e) =
-            std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &self.status_path))
-        {
-            tracing::warn!(error = %e, path = %self.status_path.display(), "status file not written");
-        }
+        self.records.append(&record);
+        self.records.status.upkeep_usd += record.cost_usd;
+        self.records.save();
     }
 
     /// Stores, with one flush, what a restart of the gateway goes on from for the session it
@@ -236,16 +415,19 @@ impl TurnLoop {
     /// rental's rent) and its running totals at its last result. Called before each record
     /// is written: a crash between the two loses that record rather than bills it twice.
     pub(super) fn keep_session(&self) {
-        let Some(session) = self.status.session_id.clone() else {
+        let Some(session) = self.records.status.session_id.clone() else {
             return;
         };
         let policy = KeptPolicy {
             session,
-            telemetry: self.telemetry.keep(Instant::now(), crate::clock::unix_ms()),
+            telemetry: self
+                .refresh
+                .telemetry
+                .keep(Instant::now(), crate::clock::unix_ms()),
         };
         self.store_json(&[
             (POLICY, serde_json::to_string(&policy)),
-            (TOTALS, serde_json::to_string(&self.billed_so_far)),
+            (TOTALS, serde_json::to_string(&self.records.billed_so_far)),
         ]);
     }
 
@@ -256,12 +438,13 @@ impl TurnLoop {
         &self,
         lines: &[(String, Vec<wire::docs::ContextLine>)],
     ) -> Option<String> {
-        let session = self.status.session_id.clone()?;
+        let session = self.records.status.session_id.clone()?;
         let shown: std::collections::HashSet<&str> = lines
             .iter()
             .flat_map(|(_, ls)| ls.iter().map(|l| l.event_id.as_str()))
             .collect();
         let ids = self
+            .carry
             .seen
             .to_keep(SEEN_LATEST, |id| shown.contains(id))
             .into_iter()
@@ -274,7 +457,7 @@ impl TurnLoop {
     pub(super) fn refresh_set_aside(&mut self) {
         match self.inbox.set_aside_list(&self.persona.id) {
             Ok(list) => {
-                self.status.set_aside = list
+                self.records.status.set_aside = list
                     .iter()
                     .map(|a| wire::docs::SetAsideBatch {
                         batch: a.id,
@@ -283,7 +466,7 @@ impl TurnLoop {
                         at_ms: a.at_ms,
                     })
                     .collect();
-                self.save_status();
+                self.records.save();
             }
             Err(e) => {
                 tracing::warn!(persona = %self.persona.id, error = %e, "her set-aside batches cannot be read")

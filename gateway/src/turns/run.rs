@@ -38,7 +38,7 @@ impl TurnLoop {
             match drained {
                 Ok(()) => {
                     backoff.reset();
-                    let over = self.status.over_budget.map(|o| o.describe());
+                    let over = self.records.status.over_budget.map(|o| o.describe());
                     self.set_error(over);
                 }
                 Err(e) => {
@@ -65,22 +65,26 @@ impl TurnLoop {
                 }
             }
             let turn_requested = loop {
-                self.telemetry.batch_waiting = false;
+                self.refresh.telemetry.batch_waiting = false;
                 // Idle: her process, if it lives, may be stopped for another Persona's; a
                 // process that stopped frees its slot.
-                if self.cli.is_none() {
-                    self.slot = None;
+                if self.claude.cli.is_none() {
+                    self.claude.slot = None;
                 }
-                if let Some(p) = &self.processes {
+                if let Some(p) = &self.claude.processes {
                     p.idle(&self.persona.id);
                 }
-                self.telemetry.process = if self.cli.is_some() {
+                self.refresh.telemetry.process = if self.claude.cli.is_some() {
                     Process::Running
                 } else {
                     Process::Stopped
                 };
                 // A check that already fired and changed nothing is not repeated.
-                let at = policy::next_check(&self.telemetry, &self.policy, self.fired);
+                let at = policy::next_check(
+                    &self.refresh.telemetry,
+                    &self.refresh.policy,
+                    self.refresh.fired,
+                );
                 let timer = at.map(tokio::time::Instant::from_std);
                 let sleep = async {
                     match timer {
@@ -91,8 +95,8 @@ impl TurnLoop {
                 // Waiting mail is looked at again when she resumes from her budget, or when it
                 // may start a turn without new mail (a sender's hour or the ambient interval).
                 let look_again = [
-                    self.status.over_budget.map(|o| o.resumes_at_ms),
-                    self.recheck_at_ms,
+                    self.records.status.over_budget.map(|o| o.resumes_at_ms),
+                    self.gate.recheck_at_ms,
                 ]
                 .into_iter()
                 .flatten()
@@ -108,13 +112,13 @@ impl TurnLoop {
                     }
                 };
                 tokio::select! {
-                    _ = self.evict.notified() => {
-                        if self.cli.is_some() {
+                    _ = self.claude.evict.notified() => {
+                        if self.claude.cli.is_some() {
                             tracing::info!(persona = %self.persona.id, "stopping her idle process to make room for another Persona's (her session is resumed at her next turn)");
                             self.shutdown().await;
-                            self.telemetry.process = Process::Stopped;
+                            self.refresh.telemetry.process = Process::Stopped;
                         }
-                        self.slot = None;
+                        self.claude.slot = None;
                     }
                     _ = looked_again => break false,
                     _ = self.signals.mail.notified() => break false,
@@ -122,7 +126,7 @@ impl TurnLoop {
                     Some(c) = self.control_rx.recv() => self.apply_control(c).await,
                     _ = stop.changed() => return self.shutdown().await,
                     _ = sleep => {
-                        self.fired = at;
+                        self.refresh.fired = at;
                         self.idle_check().await;
                     }
                 }
@@ -130,7 +134,7 @@ impl TurnLoop {
             forced = turn_requested;
             // Working from here (the debounce too): her process is not stopped for another's
             // while her turn is about to start.
-            if let Some(p) = &self.processes {
+            if let Some(p) = &self.claude.processes {
                 p.busy(&self.persona.id);
             }
             if !forced && !self.debounce(&mut stop).await {
@@ -146,7 +150,7 @@ impl TurnLoop {
         match self.persona.session.load_credential(&self.persona.id) {
             Ok(c) => {
                 tracing::info!(persona = %self.persona.id, "model credential read again");
-                self.base.credential = c;
+                self.claude.base.credential = c;
                 self.shutdown().await;
             }
             Err(e) => {
@@ -159,34 +163,34 @@ impl TurnLoop {
     /// While idle, at the time the policy asked for: keep the cache warm or evict.
     pub(super) async fn idle_check(&mut self) {
         let now = Instant::now();
-        let decision = policy::decide(&self.telemetry, now, &self.policy);
-        tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.telemetry, "idle decision");
+        let decision = policy::decide(&self.refresh.telemetry, now, &self.refresh.policy);
+        tracing::info!(persona = %self.persona.id, ?decision, telemetry = ?self.refresh.telemetry, "idle decision");
         self.metrics
             .decision(&self.persona.id, decision_name(&decision));
         let open = self.budget().is_none();
-        match policy::idle(decision, self.status.session_id.is_some(), open) {
+        match policy::idle(decision, self.records.status.session_id.is_some(), open) {
             policy::Idle::SkipForBudget => {
                 tracing::info!(persona = %self.persona.id, "keep-warm skipped: her budget is kept for her operators' turns, or spent");
                 // Not again before her next turn.
-                self.telemetry.last_cache_touch = None;
+                self.refresh.telemetry.last_cache_touch = None;
             }
             policy::Idle::KeepWarm => {
-                let Some(sid) = self.status.session_id.clone() else {
+                let Some(sid) = self.records.status.session_id.clone() else {
                     return;
                 };
-                match session::driver::refresh_fork(&self.base, &sid).await {
+                match session::driver::refresh_fork(&self.claude.base, &sid).await {
                     Ok(r) => {
                         let usage = r.usage.usage();
-                        let cost = usage.cost(&self.prices);
+                        let cost = usage.cost(&self.refresh.prices);
                         // Its touch is its start: the expiry reckoned from it is never late.
-                        let missed = self.telemetry.after_keep_warm(
+                        let missed = self.refresh.telemetry.after_keep_warm(
                             &usage,
                             cost,
                             now,
                             now.elapsed(),
-                            &self.policy,
+                            &self.refresh.policy,
                         );
-                        self.status.refreshes += 1;
+                        self.records.status.refreshes += 1;
                         let outcome = if missed {
                             "refreshed; the cache entry had expired"
                         } else {
@@ -198,21 +202,21 @@ impl TurnLoop {
                             cost,
                             missed,
                             read = usage.cache_read,
-                            next_lead_ms = self.telemetry.keep_warm_lead(&self.policy).as_millis() as u64,
+                            next_lead_ms = self.refresh.telemetry.keep_warm_lead(&self.refresh.policy).as_millis() as u64,
                             "kept warm"
                         );
                     }
                     Err(e) => {
                         tracing::warn!(persona = %self.persona.id, error = %e, "keep-warm failed");
                         // Do not try again before the next turn.
-                        self.telemetry.last_cache_touch = None;
+                        self.refresh.telemetry.last_cache_touch = None;
                         self.keep_session();
                     }
                 }
             }
             policy::Idle::Evict => {
                 self.shutdown().await;
-                self.telemetry.process = Process::Stopped;
+                self.refresh.telemetry.process = Process::Stopped;
             }
             policy::Idle::Nothing => {}
         }

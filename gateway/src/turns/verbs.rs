@@ -12,10 +12,10 @@ impl TurnLoop {
         let action = c.request.action;
         tracing::info!(persona = %self.persona.id, ?action, model = ?c.request.model, "session verb");
         let her = verbs::Her {
-            has_session: self.status.session_id.is_some(),
+            has_session: self.records.status.session_id.is_some(),
             over_budget: self
                 .over_budget()
-                .then(|| self.status.over_budget.map(|o| o.describe()))
+                .then(|| self.records.status.over_budget.map(|o| o.describe()))
                 .flatten(),
         };
         let mut previous = None;
@@ -23,16 +23,16 @@ impl TurnLoop {
             Perform::Answer(status, why) => Err((status, why)),
             Perform::Report => Ok(Performed::Done),
             Perform::EndSession => {
-                previous = self.status.session_id.clone();
+                previous = self.records.status.session_id.clone();
                 Ok(self.end_session("operator reset").await)
             }
             Perform::Compact => {
-                let before = self.telemetry.prefix_tokens;
+                let before = self.refresh.telemetry.prefix_tokens;
                 Ok(match self.compact_on_request().await {
                     Ok(true) => {
                         tracing::info!(
                             before,
-                            after = self.telemetry.prefix_tokens,
+                            after = self.refresh.telemetry.prefix_tokens,
                             "compacted on request"
                         );
                         Performed::Done
@@ -44,17 +44,17 @@ impl TurnLoop {
                 })
             }
             Perform::SwitchModel(m) => {
-                previous = self.status.session_id.clone();
+                previous = self.records.status.session_id.clone();
                 Ok(
                     match self
                         .inbox
                         .set_session_value(&self.persona.id, "model", Some(&m))
                     {
                         Ok(()) => {
-                            self.prices = prices_for(&self.persona, &m);
-                            self.policy.prices = self.prices;
-                            self.base.model = m.clone();
-                            self.status.model = m;
+                            self.refresh.prices = prices_for(&self.persona, &m);
+                            self.refresh.policy.prices = self.refresh.prices;
+                            self.claude.base.model = m.clone();
+                            self.records.status.model = m;
                             self.end_session("model switch").await
                         }
                         Err(e) => Performed::Failed(e.to_string()),
@@ -69,19 +69,19 @@ impl TurnLoop {
             Ok(p) => verbs::answer(p),
             Err((status, why)) => (status, Some(why)),
         };
-        self.save_status();
+        self.records.save();
         let receipt = ControlReceipt {
             persona: self.persona.id.clone(),
             action,
             status,
-            session_id: self.status.session_id.clone(),
+            session_id: self.records.status.session_id.clone(),
             previous_session_id: previous,
-            generation: self.status.generation,
-            model: self.base.model.clone(),
-            turns_total: self.status.turns_total,
-            prefix_tokens: (self.telemetry.prefix_tokens > 0)
-                .then_some(self.telemetry.prefix_tokens),
-            set_aside: self.status.set_aside.clone(),
+            generation: self.records.status.generation,
+            model: self.claude.base.model.clone(),
+            turns_total: self.records.status.turns_total,
+            prefix_tokens: (self.refresh.telemetry.prefix_tokens > 0)
+                .then_some(self.refresh.telemetry.prefix_tokens),
+            set_aside: self.records.status.set_aside.clone(),
             error,
         };
         let _ = c.reply.send(receipt);
@@ -112,8 +112,8 @@ impl TurnLoop {
     /// starts a fresh one at the next turn.
     async fn end_session(&mut self, why: &str) -> Performed {
         verbs::keep_previous(
-            &mut self.status.previous_sessions,
-            self.status.session_id.clone(),
+            &mut self.records.status.previous_sessions,
+            self.records.status.session_id.clone(),
         );
         self.shutdown().await;
         match self.fresh_start(why) {
