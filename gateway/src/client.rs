@@ -204,6 +204,17 @@ impl Client {
         let _ = self.endpoint.disconnect(self.server, "done").await;
         let _ = self.endpoint.shutdown().await;
     }
+
+    /// The local address its session is bound to (the gateway's key for it).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint.local_addr()
+    }
+
+    /// Closes its socket without telling the gateway, as a client that is killed does: the
+    /// gateway keeps the session until its silence timeout.
+    pub async fn abandon(self) {
+        let _ = self.endpoint.shutdown().await;
+    }
 }
 
 /// A Connect payload signed now by `agent_id`, with a fresh nonce (the same on both transports).

@@ -495,6 +495,11 @@ pub struct Client {
     /// What it may ask (all when absent).
     #[serde(default = "all_verbs")]
     pub verbs: Vec<Verb>,
+    /// The local users (uids) whose sockets may use its key over loopback RUDP (any local
+    /// user when absent; a client with `uids` cannot connect over QUIC). Whoever it is, a
+    /// session stays with the user whose socket opened it.
+    #[serde(default)]
+    pub uids: Option<Vec<u32>>,
 }
 
 fn all_verbs() -> Vec<Verb> {
@@ -519,6 +524,7 @@ impl Client {
             public_key: hex(key.as_bytes()),
             personas: personas.iter().map(|p| (*p).to_owned()).collect(),
             verbs: verbs.to_vec(),
+            uids: None,
         }
     }
 
@@ -663,6 +669,13 @@ impl Config {
                     None,
                     &at("public_key"),
                     "must be an ed25519 public key as 64 hex digits",
+                ));
+            }
+            if c.uids.as_ref().is_some_and(Vec::is_empty) {
+                return Err(err(
+                    None,
+                    &at("uids"),
+                    "names no one: list the uids that may use this key, or leave it out",
                 ));
             }
             for (j, p) in c.personas.iter().enumerate() {
@@ -1242,6 +1255,12 @@ operators = ["@op:localhost"]
         assert_eq!(e.key, "cultnet.client[1].agent_id");
         let e = client(&format!("{one}\nverbs = [\"delete\"]")).unwrap_err();
         assert!(e.problem.contains("delete"), "{e}");
+        assert_eq!(client(&one).unwrap().cultnet.clients[0].uids, None);
+        let c = client(&format!("{one}\nuids = [1000, 1001]")).unwrap();
+        assert_eq!(c.cultnet.clients[0].uids, Some(vec![1000, 1001]));
+        let e = client(&format!("{one}\nuids = []")).unwrap_err();
+        assert_eq!(e.key, "cultnet.client[0].uids");
+        assert!(client(&format!("{one}\nuids = [-1]")).is_err());
     }
 
     #[test]

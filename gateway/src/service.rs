@@ -68,6 +68,7 @@ mod control;
 pub mod limits;
 mod mail;
 mod minds;
+pub mod owner;
 mod receipts;
 mod remote;
 mod run;
@@ -220,6 +221,11 @@ impl Drop for InFlight {
 #[derive(Debug)]
 struct Peer {
     agent: String,
+    /// The local user whose socket opened the session (loopback RUDP; `None`: over QUIC, or
+    /// the socket table could not be read).
+    uid: Option<u32>,
+    /// When its owner was last found unchanged ([`owner::RECHECK`]).
+    owner_checked: std::time::Instant,
 }
 
 /// What the service keeps per configured client (agent), across its sessions and reconnects.

@@ -724,3 +724,79 @@ async fn a_clients_strings_cannot_forge_a_line_of_the_log() {
     assert!(log.contains("\\n2026-01-01T00:00:00"), "{log}");
     gw.stop();
 }
+
+/// Whether this process may start another as another user (root here; a developer's machine
+/// as an ordinary user cannot, and the test says so).
+fn may_switch_users() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(2))
+                .map(|u| u == "0")
+        })
+        .unwrap_or(false)
+}
+
+/// A client dies without a Disconnect; a process of another user (`nobody`) binds its port,
+/// learns the next sequence from the gateway's keepalive Ping and sends a pending request as
+/// the client's next packet: nothing it sends is served, the session ends, the log says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_clients_port_bound_by_another_user_is_not_served() {
+    use std::os::unix::process::CommandExt;
+    if !may_switch_users() {
+        eprintln!("SKIPPED: starting a process as another user needs root");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_scene, gw, key, _room) = setup("owner", "", 3).await;
+    let mut c = Client::connect(gw.cultnet_addr(), "organ", &key, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let page = pending(&mut c, "mine", 0).await.unwrap();
+    assert!(page.pending_count >= 3, "{page:?}");
+    let port = c.local_addr();
+    // Killed: no Disconnect, its socket closed.
+    c.abandon().await;
+    let request = put(
+        ids::PENDING_REQUEST,
+        "taken-1",
+        &PendingRequest {
+            persona: "vera".into(),
+            after_seq: 0,
+            limit: Some(5),
+            reply_bytes: None,
+        },
+    );
+    let hex: String = request.iter().map(|b| format!("{b:02x}")).collect();
+    let probe = std::process::Command::new(env!("CARGO_BIN_EXE_port_probe"))
+        .args([
+            port.to_string(),
+            gw.cultnet_addr().to_string(),
+            hex,
+            "15".to_owned(),
+        ])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("starting the probe as nobody");
+    let said = String::from_utf8_lossy(&probe.stdout).into_owned();
+    let log = gw.log();
+    // The threat is real: the keepalive gave the next sequence away to whoever holds the port.
+    assert!(
+        said.contains("ping ack="),
+        "no keepalive reached the port:\n{said}\n{}",
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    assert!(
+        !said.lines().any(|l| l.starts_with("data")),
+        "another user's process was served:\n{said}\nlog:\n{log}"
+    );
+    assert!(said.contains("disconnect"), "{said}\nlog:\n{log}");
+    assert!(
+        log.contains("uid 65534") && log.contains("session ended"),
+        "the log does not say why:\n{log}"
+    );
+    gw.stop();
+}

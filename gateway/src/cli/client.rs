@@ -179,7 +179,8 @@ fn grant_block(agent: &str, public: &str, personas: &[String]) -> String {
     format!(
         "# add to the gateway's config. It may read the mail of the Personas named and the status;\n\
          # add to `verbs` what it needs: \"ack\", \"send\", \"turn\", \"note\", \"extensions\", and\n\
-         # \"session\" (reset, compact, switch model) for an operator's tool only.\n\
+         # \"session\" (reset, compact, switch model) for an operator's tool only. To let only\n\
+         # the local users it runs as use this key, add their uids: uids = [1000]\n\
          [[cultnet.client]]\nagent_id = {agent:?}\npublic_key = \"{public}\"\npersonas = [{}]\n\
          verbs = [\"pending\", \"status\"]",
         personas.join(", ")

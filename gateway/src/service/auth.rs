@@ -27,6 +27,9 @@ pub enum Refusal {
     /// This agent connected more often than its quota within the skew window.
     #[error("agent {0:?} connected too often within the time window; retry later")]
     AgentQuota(String),
+    /// The socket it connected from is not one its client block allows ([`owner`]).
+    #[error("{0}")]
+    Owner(#[from] owner::OwnerError),
 }
 
 /// What a client is told when its agent is unknown or its signature does not verify: the same
@@ -55,6 +58,7 @@ impl Refusal {
             Self::Replay(_) => "replay",
             Self::AddressBudget => "address_budget",
             Self::AgentQuota(_) => "agent_quota",
+            Self::Owner(_) => "owner",
         }
     }
 }
@@ -77,28 +81,72 @@ pub(super) fn pinned(clients: &[Client]) -> HashMap<String, (VerifyingKey, Clien
 }
 
 impl Service {
-    /// Checks a Connect payload from `peer` at `now_ms`; on success the peer may send requests
-    /// as that agent.
+    /// Checks a Connect payload from a remote `peer` (QUIC) at `now_ms`; on success the peer
+    /// may send requests as that agent. A client whose block names `uids` is refused: it is
+    /// for local users only.
     pub fn authenticate(
         &mut self,
         peer: SocketAddr,
         payload: &[u8],
         now_ms: u64,
     ) -> Result<String, Refusal> {
-        let out = self.check_connect(peer, payload, now_ms);
-        match &out {
-            Ok(agent) => {
+        self.admit(
+            peer,
+            payload,
+            now_ms,
+            None::<fn() -> Result<owner::Owner, String>>,
+        )
+    }
+
+    /// Checks a Connect payload from a loopback `peer` (RUDP) at `now_ms`, and then (only
+    /// then: the socket table is read for signed Connects alone) the local user that owns the
+    /// peer's socket, by `owner` ([`owner::read`]): the session is that user's, and ends when
+    /// its address passes to another ([`Service::check_owner`]).
+    pub fn authenticate_local(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+        owner: impl FnOnce() -> Result<owner::Owner, String>,
+    ) -> Result<String, Refusal> {
+        self.admit(peer, payload, now_ms, Some(owner))
+    }
+
+    fn admit(
+        &mut self,
+        peer: SocketAddr,
+        payload: &[u8],
+        now_ms: u64,
+        local: Option<impl FnOnce() -> Result<owner::Owner, String>>,
+    ) -> Result<String, Refusal> {
+        let out = self.check_connect(peer, payload, now_ms).and_then(|agent| {
+            let allowed = self
+                .clients
+                .get(&agent)
+                .and_then(|(_, c)| c.uids.as_deref());
+            let uid = match local {
+                Some(read) => owner::admit(read(), allowed)?,
+                None if allowed.is_some() => return Err(owner::OwnerError::NotLocal.into()),
+                None => None,
+            };
+            Ok((agent, uid))
+        });
+        match out {
+            Ok((agent, uid)) => {
                 self.stats.accepted += 1;
                 self.peers.insert(
                     peer,
                     Peer {
                         agent: agent.clone(),
+                        uid,
+                        owner_checked: std::time::Instant::now(),
                     },
                 );
                 let m = &self.metrics;
                 m.connects_accepted.inc();
                 m.peers.set(self.peers.len() as i64);
-                tracing::info!(%peer, %agent, "CultNet client connected");
+                tracing::info!(%peer, %agent, uid, "CultNet client connected");
+                Ok(agent)
             }
             Err(why) => {
                 self.stats.refused += 1;
@@ -108,9 +156,9 @@ impl Service {
                     // spelled out): it cannot forge a line of the log.
                     tracing::warn!(%peer, held_back, reason = why.reason(), detail = ?why.to_string(), "CultNet connect refused");
                 }
+                Err(why)
             }
         }
-        out
     }
 
     pub(super) fn check_connect(

@@ -273,7 +273,7 @@ pub(super) fn endpoint_event(
         HubEvent::ConnectRequest(req) => {
             let now = u64::try_from(crate::clock::unix_ms()).unwrap_or(0);
             let peer = req.peer;
-            match service.authenticate(peer, &req.payload, now) {
+            match service.authenticate_local(peer, &req.payload, now, || owner::read(peer)) {
                 Ok(_) => {
                     let proof = service.accept_payload(&req.payload);
                     endpoint.accept_with(req, proof);
@@ -292,6 +292,14 @@ pub(super) fn endpoint_event(
             }
         }
         HubEvent::Frame { peer, frame } => {
+            // Before a request is served, its session's address is still its owner's (looked
+            // up afresh when the last finding is older than `owner::RECHECK`).
+            if &*frame.channel == CHANNEL
+                && service.owner_due(peer, std::time::Instant::now())
+                && !still_owned(service, endpoint, peer)
+            {
+                return;
+            }
             let sink = Sink::Rudp(peer);
             for answer in service.handle(peer, &frame) {
                 out.push((sink.clone(), answer));
@@ -301,7 +309,26 @@ pub(super) fn endpoint_event(
             tracing::debug!(%peer, ?reason, "CultNet session ended");
             service.forget(peer);
         }
-        HubEvent::Connected { .. } | HubEvent::Pong { .. } => {}
+        // What keeps a session alive is its owner's too.
+        HubEvent::Pong { peer, .. } => {
+            still_owned(service, endpoint, peer);
+        }
+        HubEvent::Connected { .. } => {}
+    }
+}
+
+/// Whether `peer`'s session is still held by the local user who opened it, read afresh from
+/// the socket table; if not it is ended here, unserved ([`Service::check_owner`]).
+fn still_owned(service: &mut Service, endpoint: &mut Endpoint, peer: SocketAddr) -> bool {
+    if !service.is_bound(peer) {
+        return true;
+    }
+    match service.check_owner(peer, owner::read(peer)) {
+        Ok(()) => true,
+        Err(why) => {
+            endpoint.disconnect(peer, &format!("session ended: {why}"));
+            false
+        }
     }
 }
 

@@ -1184,3 +1184,160 @@ async fn a_stopping_service_answers_what_is_in_flight_then_says_why() {
         "stopping took {took:?}"
     );
 }
+
+/// A loopback session is bound to the local user whose socket opened it: a block's `uids`
+/// admit only those users' sockets (and never a QUIC connection); a session whose address
+/// passed to another user, or to no one, is forgotten unserved and counted.
+#[test]
+fn a_session_is_its_owners_and_ends_when_its_address_is_anothers() {
+    use super::owner::{Owner, OwnerError};
+    let dir = crate::scratch::Dir::new("service-owner");
+    let inbox = Inbox::open(&dir).unwrap();
+    let mut ports = BTreeMap::new();
+    ports.insert("mira".to_owned(), port(None));
+    let mut kept = client("kept", 3, &["mira"], &Verb::ALL);
+    kept.uids = Some(vec![1000]);
+    let clients = [client("organ", 1, &["mira"], &Verb::ALL), kept];
+    let metrics = crate::metrics::unserved();
+    let mut svc = Service::new(
+        "gw-test",
+        GATEWAY_CONNECTION_ID,
+        120,
+        inbox,
+        &clients,
+        ports,
+    )
+    .with_metrics(metrics.clone());
+    let sign = |seed: u8, agent: &str, nonce: &str| {
+        ConnectPayload::sign(&key(seed), GATEWAY_CONNECTION_ID, agent, NOW, nonce).encode()
+    };
+    let status = || {
+        put(
+            ids::STATUS_REQUEST,
+            "s",
+            &StatusRequest {
+                persona: Some("mira".into()),
+            },
+        )
+    };
+    // Any user's socket, for a block without uids: the session is that user's.
+    let organ = svc.authenticate_local(peer(1), &sign(1, "organ", "a"), NOW, || {
+        Ok(Owner::User(1001))
+    });
+    assert_eq!(organ, Ok("organ".to_owned()));
+    assert!(svc.is_bound(peer(1)));
+    assert_eq!(svc.check_owner(peer(1), Ok(Owner::User(1001))), Ok(()));
+    assert!(!svc.handle(peer(1), &status()).is_empty());
+    // Its port bound by another user's process: forgotten, nothing served.
+    assert_eq!(
+        svc.check_owner(peer(1), Ok(Owner::User(65534))),
+        Err(OwnerError::Changed {
+            was: 1001,
+            now: 65534
+        })
+    );
+    assert!(!svc.is_bound(peer(1)));
+    assert!(svc.handle(peer(1), &status()).is_empty());
+    assert_eq!(svc.stats().cut_off, 1);
+    // A socket that is gone ends the session too.
+    svc.authenticate_local(peer(2), &sign(1, "organ", "b"), NOW, || Ok(Owner::User(7)))
+        .unwrap();
+    assert_eq!(
+        svc.check_owner(peer(2), Ok(Owner::Nobody)),
+        Err(OwnerError::Nobody)
+    );
+    assert!(svc.handle(peer(2), &status()).is_empty());
+    // A block with uids: only those users' sockets, even with the key.
+    let refused = svc.authenticate_local(peer(3), &sign(3, "kept", "c"), NOW, || {
+        Ok(Owner::User(1001))
+    });
+    assert!(
+        matches!(
+            &refused,
+            Err(Refusal::Owner(OwnerError::NotAllowed { uid: 1001, .. }))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(refused.map_err(|r| r.reason()), Err("owner"));
+    assert!(svc.handle(peer(3), &status()).is_empty());
+    let kept = svc.authenticate_local(peer(4), &sign(3, "kept", "d"), NOW, || {
+        Ok(Owner::User(1000))
+    });
+    assert_eq!(kept, Ok("kept".to_owned()));
+    // ... and never over QUIC, where no local user can be told.
+    assert_eq!(
+        svc.authenticate(peer(5), &sign(3, "kept", "e"), NOW),
+        Err(Refusal::Owner(OwnerError::NotLocal))
+    );
+    // The socket table unreadable: a block without uids is served unbound, one with is not.
+    svc.authenticate_local(
+        peer(6),
+        &sign(1, "organ", "f"),
+        NOW,
+        || Err("EACCES".into()),
+    )
+    .unwrap();
+    assert!(!svc.is_bound(peer(6)));
+    assert!(matches!(
+        svc.authenticate_local(peer(7), &sign(3, "kept", "g"), NOW, || Err("EACCES".into())),
+        Err(Refusal::Owner(OwnerError::Unreadable(_)))
+    ));
+}
+
+/// At the edge, with real sockets: a session opened from a socket of this process is bound to
+/// this process's user; once that socket is closed, its next request past the last finding
+/// (`owner::RECHECK`) ends the session unserved, and so does a Pong at once.
+#[tokio::test]
+async fn a_closed_clients_address_ends_its_session_unserved() {
+    let mut f = fixture("closed-owner");
+    let cfg = crate::endpoint::EndpointConfig::new("127.0.0.1:0".parse().unwrap(), 5);
+    let mut ep = Endpoint::bind(cfg).await.unwrap();
+    let mut out = Vec::new();
+    let status = put(
+        ids::STATUS_REQUEST,
+        "s1",
+        &StatusRequest {
+            persona: Some("mira".into()),
+        },
+    );
+    let request = |peer: SocketAddr| {
+        EndpointEvent::Hub(HubEvent::Frame {
+            peer,
+            frame: status.clone(),
+        })
+    };
+    let (raw, event) = connect_request(&mut ep, "owned").await;
+    let addr = raw.local_addr().unwrap();
+    endpoint_event(&mut f.svc, &mut ep, event, &mut out);
+    assert!(ep.has_session(addr));
+    assert!(f.svc.is_bound(addr), "bound to this process's user");
+    tokio::time::sleep(owner::RECHECK).await;
+    endpoint_event(&mut f.svc, &mut ep, request(addr), &mut out);
+    assert_eq!(out.len(), 1, "served while its socket is open");
+    drop(raw);
+    tokio::time::sleep(owner::RECHECK).await;
+    endpoint_event(&mut f.svc, &mut ep, request(addr), &mut out);
+    assert_eq!(out.len(), 1, "served after its socket closed");
+    ep.flush().await;
+    assert!(
+        !ep.has_session(addr),
+        "its Disconnect sent, the session is gone"
+    );
+    assert!(f.svc.peer_addrs().is_empty());
+    assert_eq!(f.svc.stats().cut_off, 1);
+
+    // A Pong is checked at once.
+    let (raw, event) = connect_request(&mut ep, "pong").await;
+    let addr = raw.local_addr().unwrap();
+    endpoint_event(&mut f.svc, &mut ep, event, &mut out);
+    assert!(ep.has_session(addr));
+    drop(raw);
+    let pong = EndpointEvent::Hub(HubEvent::Pong {
+        peer: addr,
+        payload: Bytes::from_static(b"keepalive"),
+    });
+    endpoint_event(&mut f.svc, &mut ep, pong, &mut out);
+    ep.flush().await;
+    assert!(!ep.has_session(addr));
+    assert_eq!(f.svc.stats().cut_off, 2);
+}
