@@ -97,7 +97,7 @@ pub struct Metrics {
 /// The limits a request can be refused for ([`Metrics::limited`]).
 const LIMITED_REASONS: &[&str] = &["rate", "in_flight"];
 /// The limits a client can be cut off for ([`Metrics::cut_off`]).
-const CUT_OFF_REASONS: &[&str] = &["rate", "unread"];
+const CUT_OFF_REASONS: &[&str] = &["rate", "unread", "owner"];
 
 fn seconds_histogram() -> Histogram {
     // 5 ms .. ~164 s.

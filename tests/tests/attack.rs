@@ -7,7 +7,8 @@
 //!   pinned client served meanwhile;
 //! - one client flooding requests: answered `failed` or cut off, another client's p99 within a
 //!   bound of what it was alone;
-//! - a client on the older session rules and one on the newer each do pending -> ack -> send.
+//! - a client on the older session rules and one on the newer each do pending -> ack -> send;
+//! - a departed client's port bound by another user's process is not served.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
