@@ -790,8 +790,10 @@ async fn a_departed_clients_port_bound_by_another_user_is_not_served() {
         "no keepalive reached the port:\n{said}\n{}",
         String::from_utf8_lossy(&probe.stderr)
     );
+    // Its request is not answered. (What the departed client had not acknowledged yet may be
+    // resent to the port meanwhile, under that request's key: docs/protocol.md says so.)
     assert!(
-        !said.lines().any(|l| l.starts_with("data")),
+        !said.contains("key=taken-1"),
         "another user's process was served:\n{said}\nlog:\n{log}"
     );
     assert!(said.contains("disconnect"), "{said}\nlog:\n{log}");

@@ -7,12 +7,14 @@
 //!
 //! - `ping ack=N` (and `sent seq=N+1` after it);
 //! - `acked seq=N` when the gateway acknowledges what it sent;
-//! - `data SCHEMA` for each whole message the gateway sends (a receipt: it was served);
+//! - `data SCHEMA key=KEY` for each whole message the gateway sends, fragments reassembled (a
+//!   receipt under its own request's key, `taken-1` in the test: it was served; another key is
+//!   a resend of what the departed client had not acknowledged);
 //! - `disconnect REASON`.
 //!
 //! `port_probe BIND TARGET REQUEST_HEX SECONDS`
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
@@ -82,6 +84,7 @@ fn main() {
     let mut sent: Option<(u32, Vec<u8>)> = None;
     let mut resend = Instant::now();
     let mut seen = HashSet::new();
+    let mut parts: HashMap<u16, (u16, BTreeMap<u16, Vec<u8>>)> = HashMap::new();
     let mut buf = vec![0u8; 65_536];
     while Instant::now() < end {
         if let Some((_, d)) = &sent {
@@ -131,16 +134,32 @@ fn main() {
                     let ack = packet(PacketType::Ack, 0, 0, p.sequence, CONTROL_CHANNEL, &[]);
                     let _ = socket.send_to(&ack, target);
                 }
-                if p.fragment.count > 0 {
-                    if p.fragment.index == 0 && seen.insert(("fragmented", p.sequence)) {
-                        println!("data fragmented");
-                    }
-                    continue;
-                }
                 if !seen.insert(("data", p.sequence)) {
                     continue;
                 }
-                match Message::decode(p.payload) {
+                let whole = if p.fragment.count == 0 {
+                    Some(p.payload.to_vec())
+                } else {
+                    let (count, got) = parts
+                        .entry(p.fragment.id)
+                        .or_insert_with(|| (p.fragment.count, BTreeMap::new()));
+                    got.insert(p.fragment.index, p.payload.to_vec());
+                    if got.len() == usize::from(*count) {
+                        parts
+                            .remove(&p.fragment.id)
+                            .map(|(_, got)| got.into_values().flatten().collect())
+                    } else {
+                        None
+                    }
+                };
+                let Some(bytes) = whole else {
+                    continue;
+                };
+                match Message::decode(&bytes) {
+                    Ok(Message::DocumentPutRaw(put)) => println!(
+                        "data {} key={}",
+                        put.document.schema_id, put.document.record_key
+                    ),
                     Ok(m) => println!("data {}", m.schema_version()),
                     Err(e) => println!("data undecodable {e}"),
                 }
