@@ -29,6 +29,33 @@ pub struct LegacyClient {
     unacked: BTreeMap<u32, Vec<u8>>,
 }
 
+/// One whole (unfragmented) packet to the gateway's connection id, as a datagram: what a
+/// hand-rolled peer sends (this client, and the test probes).
+pub fn datagram(
+    ptype: PacketType,
+    flags: u8,
+    sequence: u32,
+    ack: u32,
+    channel: &str,
+    payload: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    Packet {
+        ptype,
+        flags: Flags(flags),
+        connection_id: GATEWAY_CONNECTION_ID,
+        sequence,
+        ack,
+        ack_mask: 0,
+        fragment: Fragment::default(),
+        channel,
+        payload,
+    }
+    .encode(&mut out)
+    .map_err(io)?;
+    Ok(out)
+}
+
 fn io(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
@@ -105,20 +132,7 @@ impl LegacyClient {
         payload: &[u8],
     ) -> std::io::Result<Vec<u8>> {
         let sequence = self.take_seq();
-        let mut out = Vec::new();
-        Packet {
-            ptype,
-            flags: Flags(flags),
-            connection_id: GATEWAY_CONNECTION_ID,
-            sequence,
-            ack,
-            ack_mask: 0,
-            fragment: Fragment::default(),
-            channel,
-            payload,
-        }
-        .encode(&mut out)
-        .map_err(io)?;
+        let out = datagram(ptype, flags, sequence, ack, channel, payload)?;
         if flags & Flags::RELIABLE != 0 {
             self.unacked.insert(sequence, out.clone());
         }

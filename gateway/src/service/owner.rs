@@ -338,15 +338,9 @@ mod tests {
 
     #[test]
     fn this_machines_table_names_this_process_as_the_owner_of_its_socket() {
-        let Ok(socket) = std::net::UdpSocket::bind("127.0.0.1:0") else {
-            return;
-        };
-        let Ok(addr) = socket.local_addr() else {
-            return;
-        };
-        let Ok(owner) = read(addr) else {
-            return;
-        };
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a loopback socket");
+        let addr = socket.local_addr().expect("its address");
+        let owner = read(addr).expect("this machine's socket table");
         // This process's effective uid, which its sockets are owned by.
         let uid = std::fs::read_to_string("/proc/self/status")
             .ok()
@@ -355,10 +349,9 @@ mod tests {
                     .find(|l| l.starts_with("Uid:"))
                     .and_then(|l| l.split_whitespace().nth(2))
                     .and_then(|u| u.parse::<u32>().ok())
-            });
-        if let Some(uid) = uid {
-            assert_eq!(owner, Owner::User(uid));
-        }
+            })
+            .expect("this process's uid");
+        assert_eq!(owner, Owner::User(uid));
         drop(socket);
         assert_eq!(read(addr), Ok(Owner::Nobody));
     }

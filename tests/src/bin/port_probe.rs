@@ -19,28 +19,16 @@ use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use wire::msg::Message;
-use wire::packet::{Flags, Fragment, Packet, PacketType, CONTROL_CHANNEL};
-use wire::session::GATEWAY_CONNECTION_ID;
+use wire::packet::{Flags, Packet, PacketType, CONTROL_CHANNEL};
 
 fn packet(ptype: PacketType, flags: u8, sequence: u32, ack: u32, ch: &str, p: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    let encoded = Packet {
-        ptype,
-        flags: Flags(flags),
-        connection_id: GATEWAY_CONNECTION_ID,
-        sequence,
-        ack,
-        ack_mask: 0,
-        fragment: Fragment::default(),
-        channel: ch,
-        payload: p,
+    match tests::legacy::datagram(ptype, flags, sequence, ack, ch, p) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("encode: {e}");
+            std::process::exit(2);
+        }
     }
-    .encode(&mut out);
-    if let Err(e) = encoded {
-        eprintln!("encode: {e}");
-        std::process::exit(2);
-    }
-    out
 }
 
 fn main() {
