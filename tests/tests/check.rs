@@ -31,8 +31,6 @@ async fn check_names_each_problem_and_its_fix() {
     public_room(&scene.ann, "ck-lobby").await;
     let mock = MockApi::start(MockConfig::default()).await.unwrap();
     let (session, _) = live_section(&dir, &mock, 10, "");
-    // One turn per line this test sends: not the rules users get.
-    let session = tests::live::every_line(&session);
     let good = write_config(
         &dir,
         &url,

@@ -47,8 +47,6 @@ async fn strict_ann(url: &str, dir: &Path) -> Client {
 /// `extra` lines in her `[persona.encryption]`.
 fn config(scene: &Scene, mock: &MockApi, token: &str, extra: &str) -> std::path::PathBuf {
     let (session, _) = live_section(&scene.dir, mock, 200, "");
-    // One turn per line this test sends: not the rules users get.
-    let session = tests::live::every_line(&session);
     let password = scene.dir.join("vera.password");
     write_private(&password, "vera-pw");
     let encryption = format!(
